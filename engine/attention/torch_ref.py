@@ -1,0 +1,45 @@
+"""Reference attention over the paged KV pool in plain torch (CPU default, oracle for kernels)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionMetadata
+
+
+def gather_kv(pages: torch.Tensor, page_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """pages [P, ps, H, D], page_ids [npages] -> the first n cached tokens [n, H, D]."""
+    ps = pages.shape[1]
+    need = (n + ps - 1) // ps
+    return pages[page_ids[:need].long()].reshape(-1, pages.shape[2], pages.shape[3])[:n]
+
+
+class TorchAttention:
+    name = "torch"
+
+    def forward(
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hq, hkv = q.shape[1], k_pages.shape[2]
+        group = hq // hkv
+        out = torch.empty_like(q)
+        start = 0
+        for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
+            qb = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            k = gather_kv(k_pages, meta.page_table[b], seq_len)  # [S, Hkv, D]
+            v = gather_kv(v_pages, meta.page_table[b], seq_len)
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hq, S, D]
+            if q_len == 1:
+                o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale)
+            else:
+                # causal with an offset: query i (absolute pos seq_len-q_len+i) sees keys <= that pos
+                pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q  # [q_len, S]
+                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=meta.scale)
+            out[start : start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out

@@ -1,0 +1,3 @@
+from pdserve.cli import main
+import sys
+sys.exit(main())
