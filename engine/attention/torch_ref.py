@@ -23,6 +23,8 @@ class TorchAttention:
     ) -> torch.Tensor:
         hq, hkv = q.shape[1], k_pages.shape[2]
         group = hq // hkv
+        if meta.max_q_len == 1:
+            return self._decode(q, k_pages, v_pages, meta, group)
         out = torch.empty_like(q)
         start = 0
         for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
@@ -43,3 +45,19 @@ class TorchAttention:
             out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
+                group: int) -> torch.Tensor:
+        """All requests at once: one query each, keys gathered into a padded [B, S] block."""
+        b, hq, d = q.shape
+        hkv, ps = k_pages.shape[2], k_pages.shape[1]
+        npages = (meta.max_seq_len + ps - 1) // ps
+        table = meta.page_table[:, :npages].long()  # [B, npages]
+        s = npages * ps
+        k = k_pages[table].reshape(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
+        v = v_pages[table].reshape(b, s, hkv, d).transpose(1, 2)
+        mask = torch.arange(s, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, S]
+        qg = q.view(b, hkv, group, d)  # query heads of one KV head side by side
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=meta.scale)
+        return o.reshape(b, hq, d)

@@ -1,0 +1,80 @@
+"""Offline engine API: generate for a list of prompts in one continuous batch (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.memory import pages_for
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None
+    output_logprobs: list[float]
+    input_logprobs: list[float]
+    retractions: int
+
+
+class LLM:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.runner = runner or ModelRunner(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.runner.model_path))
+        self.scheduler = Scheduler(self.runner, cfg, decode_tail=self._decode_tail)
+        self._ids = itertools.count()
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 return_logprob: bool = False) -> list[Completion]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [Req(rid=f"offline-{next(self._ids)}", input_ids=self.encode(p), sampling=sp,
+                    return_logprob=return_logprob) for p, sp in zip(prompts, plist)]
+        for r in reqs:
+            self.scheduler.add(r)
+        pending = {r.rid for r in reqs}
+        while pending:
+            for r in self.scheduler.step():
+                if r.finished:
+                    pending.discard(r.rid)
+        return [self._completion(r) for r in reqs]
+
+    def _completion(self, r: Req) -> Completion:
+        return Completion(
+            rid=r.rid, prompt_ids=r.input_ids, output_ids=list(r.output_ids),
+            text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+            finish_reason=r.finish_reason.value if r.finish_reason else "", error=r.error,
+            output_logprobs=list(r.output_logprobs), input_logprobs=list(r.input_logprobs),
+            retractions=r.retractions,
+        )
+
+    def prompt_logits(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Teacher-forced fp32 logits [n, V] for a prompt, computed in chunks over the paged cache."""
+        chunk = chunk or self.cfg.chunked_prefill_size
+        alloc = self.runner.pool.allocator
+        pages = alloc.allocate(pages_for(len(ids), self.runner.page_size))
+        try:
+            out = [self.runner.forward([Segment(pages, s, ids[s : s + chunk], LOGITS_ALL)])[0]
+                   for s in range(0, len(ids), chunk)]
+        finally:
+            alloc.free(pages)
+        return torch.cat(out)  # type: ignore[arg-type]

@@ -1,0 +1,72 @@
+"""Page bookkeeping for requests: grow, free, offload to host (retraction) and reload.
+
+All page movement of a request goes through here, so "every page and host copy is freed" has one
+place to hold.
+"""
+
+from __future__ import annotations
+
+from engine.memory import HostKVPool, KVPool, pages_for
+from engine.request import Req
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, host_pool: HostKVPool) -> None:
+        self.pool = pool
+        self.host = host_pool
+        self.page_size = pool.page_size
+        self.retractions = 0
+        self.reloads = 0
+
+    def extra_pages(self, req: Req, new_tokens: int) -> int:
+        """Pages req still needs so that kv_len + new_tokens tokens fit."""
+        return max(0, pages_for(req.kv_len + new_tokens, self.page_size) - len(req.pages))
+
+    def can_grow(self, req: Req, new_tokens: int) -> bool:
+        return self.pool.allocator.can_allocate(self.extra_pages(req, new_tokens))
+
+    def grow(self, req: Req, new_tokens: int) -> None:
+        n = self.extra_pages(req, new_tokens)
+        if n:
+            req.pages.extend(self.pool.allocator.allocate(n))
+
+    @property
+    def free_pages(self) -> int:
+        return self.pool.allocator.num_free
+
+    def release(self, req: Req) -> None:
+        """Free every device page and host copy the request holds (idempotent)."""
+        if req.pages:
+            self.pool.allocator.free(req.pages)
+            req.pages = []
+        if req.host_pages:
+            self.host.free(req.host_pages)
+            req.host_pages = []
+
+    def can_offload(self, req: Req) -> bool:
+        return self.host.can_hold(len(req.pages))
+
+    def offload(self, req: Req) -> None:
+        """Retract: copy the request's KV pages to the host pool and free the device pages."""
+        assert req.pages and not req.host_pages
+        req.host_pages = self.host.offload(self.pool, req.pages)
+        self.pool.allocator.free(req.pages)
+        req.pages = []
+        req.retractions += 1
+        self.retractions += 1
+
+    def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
+        need = pages_for(req.kv_len + extra_tokens, self.page_size)
+        return self.pool.allocator.can_allocate(need)
+
+    def reload(self, req: Req) -> None:
+        """Bring a retracted request's KV back into fresh device pages; host pages are freed."""
+        assert req.host_pages and not req.pages
+        pages = self.pool.allocator.allocate(len(req.host_pages))
+        self.host.reload(self.pool, req.host_pages, pages)
+        req.pages = pages
+        req.host_pages = []
+        self.reloads += 1
+
+    def all_free(self) -> bool:
+        return self.pool.allocator.all_free() and self.host.all_free()

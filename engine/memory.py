@@ -1,0 +1,135 @@
+"""KV memory: a page allocator, the device KV pool and the host (CPU) pool used for retraction.
+
+Layout (docs/architecture.md): kv_pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim];
+page p is one contiguous block. Page 0 of the device pool is reserved and never handed out, so a
+zero in a padded page table is harmless. A request's tokens live in its own list of pages
+(`Req.pages`), token i at slot (pages[i // page_size], i % page_size): that list is the
+request -> token table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Free-list allocator of page indices. Pure Python, check-then-act:
+    `can_allocate(n)` then `allocate(n)`; `free` refuses double frees and unknown pages."""
+
+    def __init__(self, num_pages: int, reserved: int = 0) -> None:
+        if num_pages <= reserved:
+            raise ValueError(f"need more than {reserved} pages, got {num_pages}")
+        self.num_pages = num_pages
+        self.reserved = reserved
+        self._free: list[int] = list(range(num_pages - 1, reserved - 1, -1))  # pop() gives low ids first
+        self._used: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - self.reserved
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of pages")
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} is not allocated (double free or foreign page)")
+        for p in pages:
+            self._used.remove(p)
+            self._free.append(p)
+
+    def all_free(self) -> bool:
+        return not self._used
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return (tokens + page_size - 1) // page_size
+
+
+class KVPool:
+    """The device KV cache plus its allocator."""
+
+    def __init__(self, num_pages: int, num_layers: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
+        self.page_size = page_size
+        self.num_layers = num_layers
+        # [P, L, 2, ps, Hkv, D]
+        self.buffer = torch.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+                                  dtype=dtype, device=device)
+        self.allocator = PageAllocator(num_pages, reserved=1)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.buffer[0].numel() * self.buffer.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of one layer: each [P, ps, Hkv, D], page stride L*2*ps*Hkv*D."""
+        return self.buffer[:, layer, 0], self.buffer[:, layer, 1]
+
+    def write(self, layer: int, page_idx: torch.Tensor, offset: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V. page_idx, offset: int64 [T]; k, v: [T, Hkv, D]."""
+        self.buffer[page_idx, layer, 0, offset] = k
+        self.buffer[page_idx, layer, 1, offset] = v
+
+    @property
+    def used_tokens(self) -> int:
+        return self.allocator.num_used * self.page_size
+
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.capacity * self.page_size
+
+
+class HostKVPool:
+    """Host copy of KV pages for retracted requests (pinned on CUDA for async copies)."""
+
+    def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
+        self.buffer = torch.zeros((max(num_pages, 1), *page_shape), dtype=dtype, pin_memory=pin)
+        self.allocator = PageAllocator(max(num_pages, 1), reserved=0) if num_pages > 0 else None
+
+    def can_hold(self, n: int) -> bool:
+        return self.allocator is not None and self.allocator.can_allocate(n)
+
+    def offload(self, device: KVPool, pages: list[int]) -> list[int]:
+        """Copy device pages to freshly allocated host pages; the caller frees the device pages."""
+        assert self.allocator is not None
+        host = self.allocator.allocate(len(pages))
+        src = device.buffer[torch.tensor(pages, dtype=torch.long, device=device.buffer.device)]
+        self.buffer[torch.tensor(host, dtype=torch.long)] = src.to("cpu", non_blocking=False)
+        return host
+
+    def reload(self, device: KVPool, host: list[int], pages: list[int]) -> None:
+        """Copy host pages back into device pages and free the host pages."""
+        assert self.allocator is not None and len(host) == len(pages)
+        data = self.buffer[torch.tensor(host, dtype=torch.long)]
+        dev = device.buffer.device
+        if dev.type == "cuda":
+            data = data.pin_memory().to(dev, non_blocking=True)
+        device.buffer[torch.tensor(pages, dtype=torch.long, device=dev)] = data.to(dev)
+        self.allocator.free(host)
+
+    def free(self, host: list[int]) -> None:
+        if self.allocator is not None:
+            self.allocator.free(host)
+
+    def all_free(self) -> bool:
+        return self.allocator is None or self.allocator.all_free()

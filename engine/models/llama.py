@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5 with qkv bias, Mistral) over a paged KV pool.
+
+Shapes: T = tokens of the whole batch (requests concatenated), Hq/Hkv = query/KV heads, D = head dim.
+The forward writes each layer's new K/V into the pool first, then attends over the pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.memory import KVPool
+
+
+@dataclass
+class ForwardContext:
+    pool: KVPool
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    out_page: torch.Tensor  # int64 [T] page of each new token
+    out_offset: torch.Tensor  # int64 [T] slot inside that page
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv.float()
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        return (inv / sc["factor"]).float()
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float()
+    if kind == "default":
+        return inv.float()
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_pos: int) -> None:
+        super().__init__()
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))  # [max_pos, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D], rotate-half convention (HF layout)
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq+2Hkv)*D]
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = rotary(q.view(t, self.hq, self.d), positions)  # [T, Hq, D]
+        k = rotary(k.view(t, self.hkv, self.d), positions)  # [T, Hkv, D]
+        v = v.view(t, self.hkv, self.d)
+        ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
+        k_pages, v_pages = ctx.pool.layer(self.layer_id)
+        o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_pos: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.rotary = Rotary(cfg, max_pos)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, ctx)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> fp32 logits [N, vocab]."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()

@@ -1,0 +1,330 @@
+"""HTTP request parsing and validation: JSON bodies -> `ParsedRequest` (a GenerateReq + how to answer).
+
+Three request kinds share one path:
+  generate     native `POST /generate` (SGLang style: text | input_ids, sampling_params dict)
+  completion   `POST /v1/completions` (OpenAI)
+  chat         `POST /v1/chat/completions` (OpenAI; content is a string or a list of text parts)
+
+Every problem raises `RequestError` (HTTP status + message); nothing here touches a process or a
+socket, so it is unit-tested directly. Response bodies are built in `engine/frontend.py`.
+
+PD wire format: the router adds `bootstrap_host`, `bootstrap_port`, `bootstrap_room` to the body it
+posts to both prefill and decode. They are required on prefill/decode roles, ignored on colocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.messages import AbortReq, GenerateReq
+from engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_ROOM = 2**63 - 1
+MAX_RID_LEN = 256
+# OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
+NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
+           "no_stop_trim": False, "spaces_between_special_tokens": True, "echo": False,
+           "suffix": None, "logit_bias": None, "tools": None}
+
+
+class RequestError(Exception):
+    """A request the service refuses: `status` is the HTTP status, `message` says why."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+
+
+def error_body(message: str, status: int, err_type: str | None = None) -> dict[str, Any]:
+    if err_type is None:
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": err_type, "code": status}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the parser checks requests against (from the worker's ready info)."""
+
+    role: str
+    context_length: int
+    vocab_size: int
+    model_name: str
+
+
+@dataclass
+class ParsedRequest:
+    kind: str  # generate | completion | chat
+    req: GenerateReq
+    model: str
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    include_usage: bool = False
+    logprobs: bool = False
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise RequestError("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"malformed JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _opt(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) and bool not in kinds:
+        raise RequestError(f"'{key}' must be {what}, got a boolean")
+    if not isinstance(v, kinds):
+        raise RequestError(f"'{key}' must be {what}, got {type(v).__name__}")
+    return v
+
+
+def _check_neutral(body: dict[str, Any], where: str) -> None:
+    for key, neutral in NEUTRAL.items():
+        v = body.get(key)
+        if v is None or v == neutral or (key in ("logit_bias", "tools") and v in ({}, [])):
+            continue
+        raise RequestError(f"{where}'{key}'={v!r} is not supported by this server")
+
+
+def parse_bootstrap(body: dict[str, Any], role: str) -> tuple[str | None, int | None, int | None]:
+    """(host, port, room): required and validated on prefill/decode, ignored on colocated."""
+    if role == "colocated":
+        return None, None, None
+    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    missing = [k for k, v in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room))
+               if v is None]
+    if missing:
+        raise RequestError(f"a {role} service needs {', '.join(missing)} "
+                           "(PD requests come through the router)")
+    if not isinstance(host, str) or not host or len(host) > 253 or any(c.isspace() for c in host):
+        raise RequestError(f"bootstrap_host must be a non-empty host name or address, got {host!r}")
+    if not _is_int(port) or not 1 <= port <= 65535:
+        raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
+    if not _is_int(room) or not 0 <= room <= MAX_ROOM:
+        raise RequestError(f"bootstrap_room must be an integer in 0..2^63-1, got {room!r}")
+    return host, port, room
+
+
+def _rid(body: dict[str, Any]) -> str:
+    rid = body.get("rid")
+    if rid is None:
+        return uuid.uuid4().hex
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_RID_LEN:
+        raise RequestError(f"'rid' must be a non-empty string of at most {MAX_RID_LEN} characters")
+    return rid
+
+
+def _check_ids(ids: Any, limits: Limits, what: str) -> list[int]:
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise RequestError(f"{what} must be a list of integer token ids")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(f"{what} holds token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    return ids
+
+
+def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingParams:
+    """Validate sampling fields, then fit max_new_tokens into the context window."""
+    ctx = limits.context_length
+    if prompt_len == 0:
+        raise RequestError("the prompt is empty")
+    if prompt_len >= ctx:
+        raise RequestError(f"the prompt has {prompt_len} tokens; this model's context length is {ctx} "
+                           f"(prompt + output), so at most {ctx - 1} prompt tokens fit")
+    raw = {k: v for k, v in raw.items() if v is not None}
+    try:
+        sp = SamplingParams.from_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e)) from e
+    room = ctx - prompt_len
+    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room))
+
+
+def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
+          stream: bool, logprobs: bool) -> ParsedRequest:
+    host, port, room = parse_bootstrap(body, limits.role)
+    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp.to_dict(), stream=stream,
+                      return_logprob=logprobs, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+    return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
+                         skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs)
+
+
+def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
+    """Native /generate: `text` xor `input_ids`, `sampling_params`, `stream`, `return_logprob`, `rid`."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("give exactly one of 'text' or 'input_ids'")
+    if text is not None:
+        if isinstance(text, list):
+            raise RequestError("batched 'text' lists are not supported; send one request per prompt")
+        if not isinstance(text, str):
+            raise RequestError(f"'text' must be a string, got {type(text).__name__}")
+        if not text:
+            raise RequestError("'text' is empty")
+        ids = tok.encode(text)
+    else:
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            raise RequestError("batched 'input_ids' are not supported; send one request per prompt")
+        ids = _check_ids(ids, limits, "'input_ids'")
+    sp_raw = body.get("sampling_params")
+    if sp_raw is None:
+        sp_raw = {}
+    if not isinstance(sp_raw, dict):
+        raise RequestError("'sampling_params' must be a JSON object")
+    _check_neutral(sp_raw, "sampling_params ")
+    sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL}
+    stream = bool(_opt(body, "stream", (bool,), "a boolean"))
+    logprobs = bool(_opt(body, "return_logprob", (bool,), "a boolean"))
+    sp = _sampling(sp_raw, len(ids), limits)
+    return _make("generate", body, ids, sp, limits, stream, logprobs)
+
+
+_OPENAI_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids",
+                    "skip_special_tokens")
+
+
+def _openai_sampling_raw(body: dict[str, Any], max_key_order: tuple[str, ...]) -> dict[str, Any]:
+    raw: dict[str, Any] = {k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None}
+    for key in max_key_order:
+        if body.get(key) is not None:
+            raw["max_new_tokens"] = body[key]
+            break
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise RequestError("'stop' must be a string or a list of strings")
+        stop = [s for s in stop if s]  # OpenAI ignores empty stop strings
+        raw["stop"] = stop
+    return raw
+
+
+def _stream_opts(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_opt(body, "stream", (bool,), "a boolean"))
+    opts = _opt(body, "stream_options", (dict,), "an object") or {}
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("'stream_options.include_usage' must be a boolean")
+    return stream, include_usage
+
+
+def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
+    """OpenAI /v1/completions: prompt is a string or a list of token ids (one prompt only)."""
+    _check_neutral(body, "")
+    _opt(body, "model", (str,), "a string")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("'prompt' is empty")
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        ids = _check_ids(prompt, limits, "'prompt'")
+    elif isinstance(prompt, list) and not prompt:
+        raise RequestError("'prompt' is empty")
+    elif prompt is None:
+        raise RequestError("'prompt' is required")
+    else:
+        raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)")
+    lp = _opt(body, "logprobs", (int,), "an integer")
+    if lp is not None and not 0 <= lp <= 5:
+        raise RequestError("'logprobs' must be in 0..5")
+    stream, include_usage = _stream_opts(body)
+    sp = _sampling(_openai_sampling_raw(body, ("max_tokens",)), len(ids), limits)
+    parsed = _make("completion", body, ids, sp, limits, stream, lp is not None)
+    parsed.include_usage = include_usage
+    return parsed
+
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _message_text(i: int, msg: Any) -> dict[str, str]:
+    if not isinstance(msg, dict):
+        raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
+    role = msg.get("role")
+    if role not in _ROLES:
+        raise RequestError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+    content = msg.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{i}].content[{j}].text must be a string")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
+    """OpenAI /v1/chat/completions."""
+    from engine.tokenizer import ChatTemplateError
+
+    _check_neutral(body, "")
+    _opt(body, "model", (str,), "a string")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("'messages' must be a non-empty list")
+    messages = [_message_text(i, m) for i, m in enumerate(msgs)]
+    if not any(m["content"] for m in messages):
+        raise RequestError("every message is empty")
+    rf = _opt(body, "response_format", (dict,), "an object")
+    if rf is not None and rf.get("type", "text") != "text":
+        raise RequestError(f"response_format type {rf.get('type')!r} is not supported")
+    logprobs = bool(_opt(body, "logprobs", (bool,), "a boolean"))
+    top = _opt(body, "top_logprobs", (int,), "an integer")
+    if top:
+        raise RequestError("'top_logprobs' > 0 is not supported (the chosen token's logprob is returned)")
+    stream, include_usage = _stream_opts(body)
+    try:
+        ids = tok.apply_chat_template(messages)
+    except ChatTemplateError as e:
+        raise RequestError(str(e)) from e
+    sp = _sampling(_openai_sampling_raw(body, ("max_completion_tokens", "max_tokens")), len(ids), limits)
+    parsed = _make("chat", body, ids, sp, limits, stream, logprobs)
+    parsed.include_usage = include_usage
+    return parsed
+
+
+def parse_abort(body: dict[str, Any]) -> AbortReq:
+    """`{"rid": str}`, `{"bootstrap_room": int}` or `{"abort_all": true}`."""
+    rid, room = body.get("rid"), body.get("bootstrap_room")
+    abort_all = body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise RequestError("'abort_all' must be a boolean")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise RequestError("'rid' must be a non-empty string")
+    if room is not None and (not _is_int(room) or not 0 <= room <= MAX_ROOM):
+        raise RequestError("'bootstrap_room' must be an integer in 0..2^63-1")
+    if rid is None and room is None and not abort_all:
+        raise RequestError("give 'rid', 'bootstrap_room' or 'abort_all': true")
+    return AbortReq(rid=rid or "", room=room, abort_all=abort_all)

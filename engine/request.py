@@ -1,0 +1,100 @@
+"""Req: one generation request as the scheduler sees it, and its stop conditions.
+
+Token bookkeeping: `fill_ids = input_ids + output_ids`; `kv_len` tokens of it have KV in the cache
+(in `pages`, or in `host_pages` while retracted). A running decode request has
+`len(fill_ids) == kv_len + 1`: its last sampled token's KV is computed by the next decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # eos, stop token or stop string
+    LENGTH = "length"  # max_new_tokens or context length
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # device pages, in token order
+    host_pages: list[int] = field(default_factory=list)  # host copy while retracted
+    kv_len: int = 0
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    error_code: int = 0
+    output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    sent_tokens: int = 0  # output tokens already reported to the frontend
+    input_logprobs_sent: bool = False
+    retractions: int = 0
+    # PD
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_retracted(self) -> bool:
+        return bool(self.host_pages)
+
+    def finish(self, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error = error
+            self.error_code = code
+
+
+class StopChecker:
+    """Decides whether the last appended token ends a request."""
+
+    def __init__(self, eos_ids: tuple[int, ...], context_length: int, decode_tail=None) -> None:  # noqa: ANN001
+        self.eos_ids = set(eos_ids)
+        self.context_length = context_length
+        self.decode_tail = decode_tail  # callable(list[int]) -> str, for stop strings
+
+    def check(self, req: Req) -> None:
+        sp = req.sampling
+        tok = req.output_ids[-1]
+        if tok in sp.stop_token_ids:
+            req.matched_stop = tok
+            req.finish(FinishReason.STOP)
+            return
+        if not sp.ignore_eos and tok in self.eos_ids:
+            req.matched_stop = tok
+            req.finish(FinishReason.STOP)
+            return
+        if sp.stop and self.decode_tail is not None:
+            longest = max(len(s) for s in sp.stop)
+            tail = self.decode_tail(req.output_ids[-(longest + 8):])
+            for s in sp.stop:
+                if s in tail:
+                    req.matched_stop = s
+                    req.finish(FinishReason.STOP)
+                    return
+        if len(req.output_ids) >= sp.max_new_tokens:
+            req.finish(FinishReason.LENGTH)
+        elif len(req.input_ids) + len(req.output_ids) >= self.context_length:
+            req.finish(FinishReason.LENGTH)

@@ -1,0 +1,175 @@
+"""Colocated scheduler: mixed chunked prefill and continuous decode in one engine.
+
+Request lifecycle (colocated):
+1. `add`: validated, appended to `waiting`.
+2. Each `step`: retracted requests at the head of `waiting` are reloaded from host memory when
+   they fit; running requests get a page for their next token, retracting the newest ones to the
+   host pool when pages run out; waiting requests are admitted into an extend batch under the token
+   budget (one chunk of at most `chunked_prefill_size` each; a partial chunk ends the batch), keeping
+   a reservation for the running requests' future tokens.
+3. One forward runs the extend chunks and all running decodes together (BatchExecutor).
+4. Requests whose prompt completed join `running`; finished requests release every page.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.batch import BatchExecutor, ExtendItem
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.memory import pages_for
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Req, StopChecker
+from engine.sampling import Sampler
+
+
+def make_executor(runner: ModelRunner, cfg: EngineConfig, decode_tail=None) -> BatchExecutor:  # noqa: ANN001
+    stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, decode_tail)
+    return BatchExecutor(runner, Sampler(cfg.seed), stops)
+
+
+def validate_prompt(req: Req, context_length: int, capacity_pages: int, page_size: int) -> str | None:
+    n = len(req.input_ids)
+    if n == 0:
+        return "the prompt is empty"
+    if n >= context_length:
+        return f"the prompt has {n} tokens; the context length is {context_length}"
+    if pages_for(n + 1, page_size) > capacity_pages:
+        return f"the prompt has {n} tokens; the KV pool holds {capacity_pages * page_size}"
+    return None
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, cfg: EngineConfig, decode_tail=None) -> None:  # noqa: ANN001
+        self.cfg = cfg
+        self.runner = runner
+        self.kv = KVManager(runner.pool, runner.host_pool)
+        self.exec = make_executor(runner, cfg, decode_tail)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.outbox: list[Req] = []  # requests with something to report after the last step
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        err = validate_prompt(req, self.runner.context_length, self.kv.pool.allocator.capacity,
+                              self.kv.page_size)
+        if err:
+            req.finish(FinishReason.ERROR, err, 400)
+            self.outbox.append(req)
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str = "", room: int | None = None, everything: bool = False,
+              reason: str = "aborted") -> int:
+        def hit(r: Req) -> bool:
+            return everything or (rid and r.rid == rid) or (room is not None and r.bootstrap_room == room)
+
+        victims = [r for r in list(self.waiting) + self.running if hit(r)]
+        for r in victims:
+            self._finish(r, FinishReason.ABORT, reason, 499)
+        return len(victims)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        self._reload_retracted()
+        decode = self._prepare_decode()
+        extend = self._plan_extend()
+        result = self.exec.run(extend, decode)
+        for it in result.extended:
+            if it.completes_prompt:
+                self.waiting.remove(it.req)
+                self.running.append(it.req)
+        for r in result.sampled:
+            self.outbox.append(r)
+            if r.finished:
+                self._finish(r, r.finish_reason)  # type: ignore[arg-type]
+        out, self.outbox = self._dedup(self.outbox), []
+        return out
+
+    @staticmethod
+    def _dedup(reqs: list[Req]) -> list[Req]:
+        seen: set[str] = set()
+        return [r for r in reqs if not (r.rid in seen or seen.add(r.rid))]
+
+    def _finish(self, r: Req, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
+        r.finish(reason, error, code)
+        self.kv.release(r)
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.exec.sampler.forget(r.rid)
+        self.outbox.append(r)
+
+    def _reload_retracted(self) -> None:
+        while self.waiting and self.waiting[0].is_retracted:
+            r = self.waiting[0]
+            if len(self.running) >= self.cfg.max_running_requests or not self.kv.can_reload(r, 1):
+                return
+            self.kv.reload(r)
+            self.waiting.popleft()
+            self.running.append(r)
+
+    def _prepare_decode(self) -> list[Req]:
+        """Give every running request room for one more token, retracting when pages run out."""
+        need = sum(self.kv.extra_pages(r, 1) for r in self.running)
+        while need > self.kv.free_pages and self.running:
+            victim = self.running[-1]
+            need -= self.kv.extra_pages(victim, 1)
+            self.retract(victim)
+        for r in self.running:
+            self.kv.grow(r, 1)
+        return list(self.running)
+
+    def retract(self, r: Req) -> None:
+        self.running.remove(r)
+        if self.kv.can_offload(r):
+            self.kv.offload(r)
+            self.waiting.appendleft(r)
+        else:
+            self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
+
+    def reserved_pages(self) -> int:
+        ratio = self.cfg.new_token_ratio
+        tokens = sum(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))) for r in self.running)
+        return tokens // self.kv.page_size + len(self.running)
+
+    def _plan_extend(self) -> list[ExtendItem]:
+        budget = self.cfg.max_prefill_tokens
+        free = self.kv.free_pages - self.reserved_pages()
+        items: list[ExtendItem] = []
+        active = len(self.running)
+        for r in self.waiting:
+            if r.is_retracted or budget <= 0 or active >= self.cfg.max_running_requests:
+                break
+            n = min(len(r.fill_ids) - r.kv_len, self.cfg.chunked_prefill_size, budget)
+            need = self.kv.extra_pages(r, n)
+            if r.kv_len == 0:  # a new admission also reserves for its own output
+                need += int(self.cfg.new_token_ratio * r.sampling.max_new_tokens) // self.kv.page_size
+            if need > free and (items or self.running):
+                break
+            if not self.kv.can_grow(r, n):
+                break
+            self.kv.grow(r, n)
+            free -= need
+            budget -= n
+            active += 1
+            items.append(ExtendItem(r, n))
+            if not items[-1].completes_prompt:
+                break
+        return items
+
+    def stats(self) -> dict:
+        return {
+            "queues": {"waiting": len(self.waiting), "running": len(self.running),
+                       "retracted": sum(1 for r in self.waiting if r.is_retracted)},
+            "kv_used_tokens": self.kv.pool.used_tokens,
+            "kv_total_tokens": self.kv.pool.total_tokens,
+            "host_kv_used_pages": 0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
+            "counters": {"retractions": self.kv.retractions, "reloads": self.kv.reloads,
+                         "forward_tokens": self.exec.forward_tokens},
+        }
