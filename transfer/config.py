@@ -1,0 +1,82 @@
+"""Frozen configuration of the KV transfer layer, and the compatibility record of a KV pool.
+
+TransferConfig  how one worker process's TransferManager runs (role, addresses, timeouts, token)
+CompatInfo      what a KV page means (model, dtype, page size, layout, heads); both sides must agree,
+                checked by hash at the handshake, and a mismatch names the differing field.
+
+Validation raises ValueError with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode")
+BACKENDS = ("ucx", "fake")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    role: str  # "prefill" | "decode"
+    advertise_host: str = "127.0.0.1"  # address peers use for zmq control (and where we bind)
+    bootstrap_port: int = 8998  # prefill only: bootstrap server port (0 = pick a free port)
+    backend: str = "ucx"  # "ucx" | "fake" (fake moves no bytes: unit tests only)
+    bootstrap_timeout_s: float = 60.0  # prefill: sender fails if no TransferInfo for its room by then
+    waiting_timeout_s: float = 120.0  # decode: receiver fails if KV not complete by then
+    heartbeat_interval_s: float = 2.0  # 3 missed -> all rooms with that peer FAILED
+    cluster_token: str | None = None  # when set, control messages without it are refused
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.advertise_host:
+            raise ValueError("advertise_host must not be empty")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError(f"bootstrap_port must be in 0..65535, got {self.bootstrap_port}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cluster_token is not None and not self.cluster_token:
+            raise ValueError("cluster_token must be None or a non-empty string")
+
+    @property
+    def peer_lost_s(self) -> float:
+        """A peer silent for this long (3 heartbeats) is lost."""
+        return 3.0 * self.heartbeat_interval_s
+
+
+@dataclass(frozen=True)
+class CompatInfo:
+    """What one KV page holds. Hashed into TransferInfo; both sides must match field by field."""
+
+    model: str
+    dtype: str
+    page_size: int
+    kv_layout: str  # e.g. "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def mismatch(self, other: dict) -> str | None:
+        """None when `other` (a peer's to_dict()) equals this; else a message naming the field."""
+        mine = self.to_dict()
+        for name, value in mine.items():
+            theirs = other.get(name)
+            if theirs != value:
+                return f"KV compatibility mismatch on field {name!r}: prefill={value!r} decode={theirs!r}"
+        extra = sorted(set(other) - set(mine))
+        if extra:
+            return f"KV compatibility mismatch: unknown fields {extra}"
+        return None

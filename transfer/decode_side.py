@@ -1,0 +1,256 @@
+"""Decode side of the transfer manager: bootstrap client, receivers, heartbeats.
+
+1. create_receiver(room, "host:port", dst_pages): the first room for a prefill sends a
+   BootstrapQuery to its bootstrap server; the PrefillRegistration answer names the control
+   endpoint, which this side connects to (DEALER, identity = engine id).
+2. TransferInfo (UCX address, dst pages, slot, compatibility hash) goes out; the prefill acks it
+   (WAITING_FOR_INPUT) or aborts (token, hash mismatch naming the field, duplicate room).
+3. Each ChunkManifest announces tagged UCX messages; the receiver probes for them and receives
+   straight into consecutive dst pages, or into a staging buffer it scatters.
+4. All pages + metadata in place -> SUCCESS, acked to the prefill with TransferStatus(SUCCESS).
+Timers: KV not complete within waiting_timeout_s -> FAILED + Abort; a prefill silent for 3
+heartbeat intervals -> its rooms FAILED and the peer forgotten (the next room bootstraps again).
+Slots of ended rooms are swept for late UCX messages for SLOT_QUARANTINE_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.backend import DataBackend, Handle
+from transfer.config import CompatInfo, TransferConfig
+from transfer.control import ControlDealer
+from transfer.messages import (
+    Abort,
+    AbortAck,
+    BootstrapQuery,
+    ChunkManifest,
+    Heartbeat,
+    PrefillRegistration,
+    TransferInfo,
+    TransferStatus,
+)
+from transfer.rooms import KVReceiver
+from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
+
+log = logging.getLogger(__name__)
+SLOT_QUARANTINE_S = 60.0
+SWEEP_INTERVAL_S = 0.05
+
+
+@dataclass
+class _Peer:
+    addr: str
+    boot: ControlDealer
+    last_seen: float
+    ctrl: ControlDealer | None = None
+    pending: list[Any] = field(default_factory=list)  # messages waiting for the control connection
+    rooms: set[int] = field(default_factory=set)
+    hb_seq: int = 0
+
+    def send(self, msg: Any) -> None:
+        if self.ctrl is not None:
+            self.ctrl.send(msg)
+        else:
+            self.pending.append(msg)
+
+    def close(self) -> None:
+        self.boot.close()
+        if self.ctrl is not None:
+            self.ctrl.close()
+
+
+def _parse_addr(addr: str) -> str:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bootstrap address must be host:port, got {addr!r}")
+    return f"tcp://{host}:{port}"
+
+
+class DecodeSide:
+    def __init__(self, cfg: TransferConfig, zctx: zmq.Context, engine_id: str, backend: DataBackend,
+                 pages: torch.Tensor, compat: CompatInfo) -> None:
+        self.cfg, self.zctx, self.engine_id = cfg, zctx, engine_id
+        self.backend, self.pages, self.compat = backend, pages, compat
+        self.receivers: dict[int, KVReceiver] = {}
+        self.peers: dict[str, _Peer] = {}
+        self.dead_slots: dict[int, float] = {}  # slot -> quarantine end
+        self.draining: list[Handle] = []
+        self._next_slot = random.randrange(1, 1 << 31)
+        self._next_hb = 0.0
+        self._next_sweep = 0.0
+
+    # ---- API -------------------------------------------------------------------------------
+    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int]) -> KVReceiver:
+        if room in self.receivers:
+            raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a receiver already exists")
+        endpoint = _parse_addr(bootstrap_addr)
+        n = self.pages.shape[0]
+        if not dst_pages or any(not 0 <= p < n for p in dst_pages) or len(set(dst_pages)) != len(dst_pages):
+            raise ValueError(f"room {room}: dst_pages must be distinct page indices in 0..{n - 1}")
+        recv = KVReceiver(room, self._notify, self.release, self.pages, self.backend, list(dst_pages),
+                          self._alloc_slot(), bootstrap_addr)
+        peer = self._peer(bootstrap_addr, endpoint)
+        if not any(self.receivers[r].state not in TERMINAL for r in peer.rooms if r in self.receivers):
+            peer.last_seen = time.monotonic()  # a peer idle until now gets a fresh grace period
+        peer.rooms.add(room)
+        self.receivers[room] = recv
+        peer.send(TransferInfo(room, self.engine_id, self.backend.address, list(dst_pages), recv.slot,
+                               self.compat.digest(), self.compat.to_dict()))
+        return recv
+
+    def _alloc_slot(self) -> int:
+        used = {r.slot for r in self.receivers.values()} | set(self.dead_slots)
+        while True:
+            slot = self._next_slot
+            self._next_slot = self._next_slot % ((1 << 32) - 1) + 1
+            if slot not in used:
+                return slot
+
+    def _peer(self, addr: str, endpoint: str) -> _Peer:
+        peer = self.peers.get(addr)
+        if peer is None:
+            ident = f"{self.engine_id}:boot".encode()
+            peer = _Peer(addr, ControlDealer(self.zctx, endpoint, ident, self.cfg.cluster_token),
+                         time.monotonic())
+            peer.boot.send(BootstrapQuery(self.engine_id))
+            self.peers[addr] = peer
+        return peer
+
+    def sockets(self) -> list[zmq.Socket]:
+        out = []
+        for p in self.peers.values():
+            out.append(p.boot.sock)
+            if p.ctrl is not None:
+                out.append(p.ctrl.sock)
+        return out
+
+    # ---- messages --------------------------------------------------------------------------
+    def handle_messages(self) -> None:
+        for peer in list(self.peers.values()):
+            for msg, ok in peer.boot.recv_all():
+                self._on_boot(peer, msg, ok)
+            if peer.ctrl is None:
+                continue
+            for msg, ok in peer.ctrl.recv_all():
+                if not ok:
+                    log.warning("refused %s from %s: bad cluster token", type(msg).__name__, peer.addr)
+                    continue
+                peer.last_seen = time.monotonic()
+                self._dispatch(peer, msg)
+
+    def _on_boot(self, peer: _Peer, msg: Any, ok: bool) -> None:
+        if isinstance(msg, Abort):  # the bootstrap server refused us
+            self._fail_peer(peer, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_
+                            else ErrorCode.ABORTED, f"prefill {peer.addr}: {msg.reason}")
+            return
+        if not ok or not isinstance(msg, PrefillRegistration) or peer.ctrl is not None:
+            return
+        peer.last_seen = time.monotonic()
+        peer.ctrl = ControlDealer(self.zctx, msg.control_endpoint, self.engine_id.encode(),
+                                  self.cfg.cluster_token)
+        for pending in peer.pending:
+            peer.ctrl.send(pending)
+        peer.pending.clear()
+
+    def _dispatch(self, peer: _Peer, msg: Any) -> None:
+        recv = self.receivers.get(getattr(msg, "room", -1))
+        if recv is not None and recv.bootstrap_addr != peer.addr:
+            return
+        if isinstance(msg, TransferStatus) and recv is not None:
+            if msg.state == KVPoll.WAITING_FOR_INPUT:
+                recv.on_ack()
+        elif isinstance(msg, ChunkManifest) and recv is not None:
+            recv.on_manifest(msg.segments, msg.total_pages, msg.is_last, msg.metadata)
+        elif isinstance(msg, Abort):
+            peer.send(AbortAck(msg.room))
+            if recv is not None:
+                code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
+                recv.fail(code, f"aborted by prefill: {msg.reason}")
+
+    def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
+        recv = self.receivers.get(room)
+        peer = self.peers.get(recv.bootstrap_addr) if recv is not None else None
+        if peer is None:
+            return
+        if peer.ctrl is None:  # TransferInfo never left: take it back instead of aborting
+            peer.pending = [m for m in peer.pending if getattr(m, "room", None) != room]
+        else:
+            peer.send(Abort(room, reason, int(code)))
+
+    # ---- data + timers ---------------------------------------------------------------------
+    def step(self) -> None:
+        for recv in self.receivers.values():
+            if recv.step():
+                peer = self.peers.get(recv.bootstrap_addr)
+                if peer is not None:
+                    peer.send(TransferStatus(recv.room, int(KVPoll.SUCCESS)))
+            if recv.state == KVPoll.FAILED:
+                self.draining.extend(recv.drain())
+                self.dead_slots.setdefault(recv.slot, time.monotonic() + SLOT_QUARANTINE_S)
+        self.draining = [h for h in self.draining if not h.done]
+
+    def check_timers(self, now: float) -> None:
+        cfg = self.cfg
+        for recv in self.receivers.values():
+            if recv.state not in TERMINAL and now - recv.created_at > cfg.waiting_timeout_s:
+                recv.fail(ErrorCode.TIMEOUT, f"KV not complete within {cfg.waiting_timeout_s}s "
+                          f"(state {recv.state.name})", tell_peer=True)
+        for peer in list(self.peers.values()):
+            active = [r for r in peer.rooms
+                      if r in self.receivers and self.receivers[r].state not in TERMINAL]
+            if active and now - peer.last_seen > cfg.peer_lost_s:
+                self._fail_peer(peer, ErrorCode.PEER_LOST, f"prefill {peer.addr} missed 3 heartbeats "
+                                f"({cfg.peer_lost_s:g}s)")
+            elif active and now >= self._next_hb and peer.ctrl is not None:
+                peer.hb_seq += 1
+                peer.ctrl.send(Heartbeat(self.engine_id, peer.hb_seq, sorted(active)))
+        if now >= self._next_hb:
+            self._next_hb = now + cfg.heartbeat_interval_s
+        if now >= self._next_sweep and self.dead_slots:
+            self._next_sweep = now + SWEEP_INTERVAL_S
+            for slot, until in list(self.dead_slots.items()):
+                if self.backend.drop_slot(slot):
+                    log.info("dropped late UCX data of slot %d", slot)
+                if now > until:
+                    del self.dead_slots[slot]
+
+    def next_deadline(self) -> float:
+        return self._next_hb
+
+    def _fail_peer(self, peer: _Peer, code: ErrorCode, message: str) -> None:
+        for room in peer.rooms:
+            recv = self.receivers.get(room)
+            if recv is not None:
+                recv.fail(code, message)
+        peer.close()
+        self.peers.pop(peer.addr, None)
+
+    def release(self, room: int) -> None:
+        recv = self.receivers.pop(room, None)
+        if recv is None:
+            return
+        self.draining.extend(recv.drain())
+        if recv.state == KVPoll.FAILED:
+            self.dead_slots.setdefault(recv.slot, time.monotonic() + SLOT_QUARANTINE_S)
+        peer = self.peers.get(recv.bootstrap_addr)
+        if peer is not None:
+            peer.rooms.discard(room)
+
+    def stats(self) -> dict[str, int]:
+        return {"receivers": len(self.receivers),
+                "pending_recvs": sum(r.pending() for r in self.receivers.values()),
+                "staging_bytes": sum(r.staging_bytes() for r in self.receivers.values()),
+                "draining": len(self.draining), "peers": len(self.peers)}
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        self.peers.clear()

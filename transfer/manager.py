@@ -1,0 +1,119 @@
+"""TransferManager: one per worker process; owns the zmq context, the data backend and one side.
+
+The worker loop calls progress() every iteration (never blocks) and idle_wait() when it has
+nothing else to do (sleeps on the zmq sockets and the UCX worker's fd, at most until the next
+timer). Rooms are created with create_sender (prefill) / create_receiver (decode), polled by the
+scheduler, and released after their terminal state was consumed; active_rooms() counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import torch
+import zmq
+
+from transfer.backend import make_backend
+from transfer.config import CompatInfo, TransferConfig
+from transfer.decode_side import DecodeSide
+from transfer.layout import page_view
+from transfer.prefill_side import PrefillSide
+from transfer.rooms import KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+_TIMER_PERIOD_S = 0.05
+
+
+class TransferManager:
+    def __init__(self, config: TransferConfig, kv_pool: torch.Tensor, compat: CompatInfo) -> None:
+        # kv_pool: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous
+        self.config = config
+        self.engine_id = uuid.uuid4().hex
+        self._pool = kv_pool  # keeps the storage of the page view alive
+        self._pages = page_view(kv_pool)  # uint8 [num_pages, page_bytes]
+        self._zctx = zmq.Context()
+        self._backend = make_backend(config.backend, self.engine_id)
+        self._side: PrefillSide | DecodeSide
+        try:
+            side_cls = PrefillSide if config.role == "prefill" else DecodeSide
+            self._side = side_cls(config, self._zctx, self.engine_id, self._backend, self._pages, compat)
+        except ValueError:
+            self._backend.close()
+            self._zctx.term()
+            raise
+        self._next_timers = 0.0
+        self._closed = False
+
+    @property
+    def page_bytes(self) -> int:
+        return self._pages.shape[1]
+
+    @property
+    def bootstrap_port(self) -> int:
+        """Actual port of the bootstrap server (prefill role)."""
+        if not isinstance(self._side, PrefillSide):
+            raise AttributeError("bootstrap_port exists on the prefill role only")
+        return self._side.bootstrap.port
+
+    def create_sender(self, room: int) -> KVSender:
+        if not isinstance(self._side, PrefillSide):
+            raise ValueError("create_sender needs role='prefill'")
+        return self._side.create_sender(room)
+
+    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int]) -> KVReceiver:
+        if not isinstance(self._side, DecodeSide):
+            raise ValueError("create_receiver needs role='decode'")
+        return self._side.create_receiver(room, bootstrap_addr, dst_pages)
+
+    def progress(self) -> None:
+        """Drive zmq, UCX and timers once; never blocks."""
+        self._backend.progress()
+        self._side.handle_messages()
+        self._side.step()
+        self._backend.progress()
+        now = time.monotonic()
+        if now >= self._next_timers:
+            self._next_timers = now + _TIMER_PERIOD_S
+            self._side.check_timers(now)
+
+    def idle_wait(self, timeout_s: float, extra: tuple = ()) -> None:
+        """Block up to timeout_s (capped by the next timer) until a socket or UCX may have news.
+
+        `extra`: more zmq sockets (or fds) to wake on, e.g. the worker's request socket."""
+        timeout_s = min(timeout_s, max(0.0, self._next_timers - time.monotonic()))
+        may_sleep, fd = self._backend.wait_fd()
+        if not may_sleep or timeout_s <= 0:
+            return
+        poller = zmq.Poller()
+        for sock in (*self._side.sockets(), *extra):
+            poller.register(sock, zmq.POLLIN)
+        if fd is not None:
+            poller.register(fd, zmq.POLLIN)
+        poller.poll(timeout_s * 1000.0)
+
+    def active_rooms(self) -> int:
+        """Rooms created and not yet released (0 once every room ended and was released)."""
+        side = self._side
+        return len(side.senders) if isinstance(side, PrefillSide) else len(side.receivers)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for tests and /metrics: rooms, queued/in-flight messages, staging, peers."""
+        out = self._side.stats()
+        out["backend_sinks"] = getattr(self._backend, "pending_sinks", 0)
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._side.close()
+        self._backend.close()
+        self._zctx.term()
+
+    def __enter__(self) -> TransferManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

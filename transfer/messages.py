@@ -1,0 +1,155 @@
+"""Typed control-plane messages of the KV transfer protocol (zmq + msgpack).
+
+Every message is a small dataclass; on the wire it is a msgpack map with `type` and `version`.
+`encode`/`decode` are the only codec; an unknown type, a version mismatch or a missing field
+raises ValueError, never a half-read message. Every message carries the sender's cluster `token`
+(None when no token is configured); the receiving side checks it.
+
+decode -> prefill bootstrap server:  BootstrapQuery
+prefill bootstrap server -> decode:  PrefillRegistration (control endpoint + UCX worker address)
+decode -> prefill control endpoint:  TransferInfo, TransferStatus(SUCCESS ack), Abort, AbortAck, Heartbeat
+prefill -> decode:                   TransferStatus(WAITING_FOR_INPUT ack), ChunkManifest, Abort,
+                                     AbortAck, Heartbeat
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+
+
+@dataclass
+class BootstrapQuery:
+    """A decode asks a bootstrap server where the prefill's control endpoint is."""
+
+    engine_id: str
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class PrefillRegistration:
+    """Where a prefill worker listens: zmq control endpoint ("tcp://host:port") and UCX address."""
+
+    engine_id: str
+    control_endpoint: str
+    ucx_address: bytes
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class TransferInfo:
+    """A decode reserved `dst_pages` for `room` and asks the prefill to stream its KV there.
+
+    metadata_slot: decode-local slot id of this room; UCX tags of its data are (slot << 32) | seq.
+    compat_hash / compat: CompatInfo digest and fields (the fields name a mismatch).
+    """
+
+    room: int
+    engine_id: str
+    ucx_address: bytes
+    dst_pages: list[int]
+    metadata_slot: int
+    compat_hash: str
+    compat: dict[str, Any]
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class TransferStatus:
+    """State report for a room: WAITING_FOR_INPUT (TransferInfo accepted) or SUCCESS (all bytes in)."""
+
+    room: int
+    state: int
+    message: str = ""
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class ChunkManifest:
+    """One prefill chunk: which UCX messages were sent and where their pages go.
+
+    segments: [[seq, [dst positions...]], ...]; a position indexes the room's dst_pages; message
+    `seq` holds those pages' bytes back to back, in position order. total_pages: cursor after
+    this chunk. metadata only with is_last.
+    """
+
+    room: int
+    segments: list[list[Any]]
+    total_pages: int
+    is_last: bool
+    metadata: dict[str, Any] | None = None
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class Abort:
+    room: int
+    reason: str
+    code: int
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class AbortAck:
+    room: int
+    token: str | None = None
+    version: int = VERSION
+
+
+@dataclass
+class Heartbeat:
+    engine_id: str
+    seq: int = 0
+    rooms: list[int] = field(default_factory=list)  # rooms the sender holds with the receiver
+    token: str | None = None
+    version: int = VERSION
+
+
+Message = (
+    BootstrapQuery | PrefillRegistration | TransferInfo | TransferStatus | ChunkManifest | Abort
+    | AbortAck | Heartbeat
+)
+_TYPES: dict[str, type] = {
+    c.__name__: c
+    for c in (BootstrapQuery, PrefillRegistration, TransferInfo, TransferStatus, ChunkManifest, Abort,
+              AbortAck, Heartbeat)
+}
+
+
+def encode(msg: Any) -> bytes:
+    if type(msg).__name__ not in _TYPES:
+        raise ValueError(f"not a transfer message: {type(msg).__name__}")
+    d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    d["type"] = type(msg).__name__
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError) as e:
+        raise ValueError(f"undecodable transfer message: {e}") from e
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError("transfer message without a type")
+    name = d.pop("type")
+    cls = _TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown transfer message type {name!r}")
+    if d.get("version") != VERSION:
+        raise ValueError(f"{name}: version {d.get('version')} != {VERSION}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in d.items() if k in known})
+    except TypeError as e:
+        raise ValueError(f"{name}: {e}") from e

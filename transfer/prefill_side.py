@@ -1,0 +1,222 @@
+"""Prefill side of the transfer manager: bootstrap server, control endpoint, senders.
+
+1. The bootstrap server (ROUTER on advertise_host:bootstrap_port) answers a decode's BootstrapQuery
+   with this worker's PrefillRegistration (control endpoint + UCX address).
+2. The control endpoint (ROUTER, free port) takes TransferInfo. It is checked (cluster token,
+   compatibility hash: a mismatch names the field, duplicate room) and acked with
+   TransferStatus(WAITING_FOR_INPUT), or refused with an Abort. A TransferInfo that arrives before
+   create_sender() is buffered for up to bootstrap_timeout_s.
+3. Each send() queues pages; step() posts them over UCX and sends a ChunkManifest per chunk.
+4. The decode's TransferStatus(SUCCESS) plus all local sends done -> sender SUCCESS.
+Timers: no TransferInfo within bootstrap_timeout_s -> FAILED; a decode silent for 3 heartbeat
+intervals -> its rooms FAILED and its UCX endpoint closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from transfer.backend import DataBackend, Handle
+from transfer.config import CompatInfo, TransferConfig
+from transfer.control import ControlRouter
+from transfer.messages import (
+    Abort,
+    AbortAck,
+    BootstrapQuery,
+    ChunkManifest,
+    Heartbeat,
+    PrefillRegistration,
+    TransferInfo,
+    TransferStatus,
+)
+from transfer.rooms import KVSender
+from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
+
+log = logging.getLogger(__name__)
+
+
+class PrefillSide:
+    def __init__(self, cfg: TransferConfig, zctx: zmq.Context, engine_id: str, backend: DataBackend,
+                 pages: torch.Tensor, compat: CompatInfo) -> None:
+        self.cfg, self.backend, self.pages, self.compat = cfg, backend, pages, compat
+        self._hash = compat.digest()
+        self.bootstrap = ControlRouter(zctx, cfg.advertise_host, cfg.bootstrap_port, cfg.cluster_token)
+        try:
+            self.control = ControlRouter(zctx, cfg.advertise_host, 0, cfg.cluster_token)
+        except ValueError:
+            self.bootstrap.close()
+            raise
+        self.registration = PrefillRegistration(engine_id, self.control.endpoint, backend.address)
+        self.senders: dict[int, KVSender] = {}
+        self.early: dict[int, tuple[TransferInfo, bytes, float]] = {}  # room -> info, peer, arrival
+        self.rejected: dict[int, tuple[TransferError, float]] = {}  # refused before create_sender
+        self.peers: dict[bytes, float] = {}  # decode identity -> last message time
+        self.peer_ucx: dict[bytes, bytes] = {}
+        self.draining: list[Handle] = []
+        self.aborts_unacked: dict[int, float] = {}
+
+    # ---- API -------------------------------------------------------------------------------
+    def create_sender(self, room: int) -> KVSender:
+        if room in self.senders:
+            raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a sender already exists")
+        sender = KVSender(room, self._notify, self.release, self.pages, self.backend)
+        self.senders[room] = sender
+        if room in self.rejected:
+            err, _ = self.rejected.pop(room)
+            sender.fail(err.code, err.message.removeprefix(f"room {room}: "))
+        elif room in self.early:
+            info, identity, _ = self.early.pop(room)
+            sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
+        return sender
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.bootstrap.sock, self.control.sock]
+
+    # ---- messages --------------------------------------------------------------------------
+    def handle_messages(self) -> None:
+        for identity, msg, ok in self.bootstrap.recv_all():
+            if not isinstance(msg, BootstrapQuery):
+                continue
+            if not ok:
+                self.bootstrap.send(identity, Abort(0, "bootstrap refused: missing or wrong cluster token",
+                                                    ErrorCode.UNAUTHORIZED))
+                continue
+            self.bootstrap.send(identity, PrefillRegistration(**{
+                k: getattr(self.registration, k) for k in ("engine_id", "control_endpoint", "ucx_address")}))
+        for identity, msg, ok in self.control.recv_all():
+            if not ok:
+                log.warning("refused %s without a valid cluster token", type(msg).__name__)
+                if isinstance(msg, TransferInfo):
+                    self.control.send(identity, Abort(msg.room, "refused: missing or wrong cluster token",
+                                                      ErrorCode.UNAUTHORIZED))
+                continue
+            self.peers[identity] = time.monotonic()
+            self._dispatch(identity, msg)
+
+    def _dispatch(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, TransferInfo):
+            self._on_transfer_info(identity, msg)
+        elif isinstance(msg, TransferStatus) and msg.state == KVPoll.SUCCESS:
+            s = self.senders.get(msg.room)
+            if s is not None and s.peer_identity == identity:
+                s.on_ack()
+        elif isinstance(msg, Abort):
+            self._on_abort(identity, msg)
+        elif isinstance(msg, AbortAck):
+            self.aborts_unacked.pop(msg.room, None)
+        elif isinstance(msg, Heartbeat):
+            self.control.send(identity, Heartbeat(self.registration.engine_id, msg.seq))
+
+    def _on_transfer_info(self, identity: bytes, info: TransferInfo) -> None:
+        room = info.room
+        problem = self._check_info(info)
+        if problem is not None:
+            code, message = problem
+            self.control.send(identity, Abort(room, message, code))
+            sender = self.senders.get(room)
+            if code != ErrorCode.DUPLICATE_ROOM:
+                if sender is not None:
+                    sender.fail(code, message)
+                else:
+                    self.rejected[room] = (TransferError(code, f"room {room}: {message}"), time.monotonic())
+            return
+        self.peer_ucx[identity] = info.ucx_address
+        self.control.send(identity, TransferStatus(room, int(KVPoll.WAITING_FOR_INPUT)))
+        sender = self.senders.get(room)
+        if sender is None:
+            self.early[room] = (info, identity, time.monotonic())
+        else:
+            sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
+
+    def _check_info(self, info: TransferInfo) -> tuple[ErrorCode, str] | None:
+        if info.compat_hash != self._hash:
+            why = self.compat.mismatch(info.compat) or "KV compatibility hash mismatch"
+            return ErrorCode.INCOMPATIBLE, why
+        sender = self.senders.get(info.room)
+        if info.room in self.early or (sender is not None and sender.peer_identity is not None):
+            return ErrorCode.DUPLICATE_ROOM, f"room {info.room} already has a TransferInfo from a decode"
+        if not info.dst_pages or any(not isinstance(p, int) or p < 0 for p in info.dst_pages):
+            return ErrorCode.BAD_REQUEST, "TransferInfo needs a non-empty list of page indices"
+        if not 0 < info.metadata_slot < (1 << 32):
+            return ErrorCode.BAD_REQUEST, f"metadata_slot {info.metadata_slot} out of range"
+        return None
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        self.control.send(identity, AbortAck(msg.room))
+        early = self.early.get(msg.room)
+        if early is not None and early[1] == identity:
+            del self.early[msg.room]
+        sender = self.senders.get(msg.room)
+        if sender is not None and sender.peer_identity == identity:
+            sender.fail(ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_
+                        else ErrorCode.ABORTED, f"aborted by decode: {msg.reason}")
+
+    def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
+        sender = self.senders.get(room)
+        if sender is not None and sender.peer_identity is not None:
+            self.control.send(sender.peer_identity, Abort(room, reason, int(code)))
+            self.aborts_unacked[room] = time.monotonic()
+
+    # ---- data + timers ---------------------------------------------------------------------
+    def step(self) -> None:
+        for sender in self.senders.values():
+            for segments, total, is_last, meta in sender.post():
+                self.control.send(sender.peer_identity, ChunkManifest(sender.room, segments, total,
+                                                                      is_last, meta))
+            sender.check()
+            if sender.state in TERMINAL:
+                self.draining.extend(sender.drain())
+        self.draining = [h for h in self.draining if not h.done]
+
+    def check_timers(self, now: float) -> None:
+        cfg = self.cfg
+        for sender in self.senders.values():
+            if sender.state == KVPoll.BOOTSTRAPPING and now - sender.created_at > cfg.bootstrap_timeout_s:
+                sender.fail(ErrorCode.TIMEOUT, f"no TransferInfo from a decode within "
+                            f"{cfg.bootstrap_timeout_s}s")
+        for room, (_, identity, t) in list(self.early.items()):
+            if now - t > cfg.bootstrap_timeout_s:
+                del self.early[room]
+                self.control.send(identity, Abort(room, f"no prefill request for room {room} within "
+                                                  f"{cfg.bootstrap_timeout_s}s", ErrorCode.TIMEOUT))
+        for room, (_, t) in list(self.rejected.items()):
+            if now - t > cfg.bootstrap_timeout_s:
+                del self.rejected[room]
+        for room, t in list(self.aborts_unacked.items()):
+            if now - t > cfg.peer_lost_s:
+                del self.aborts_unacked[room]
+        for identity, seen in list(self.peers.items()):
+            if now - seen > cfg.peer_lost_s:
+                self._peer_lost(identity)
+
+    def _peer_lost(self, identity: bytes) -> None:
+        del self.peers[identity]
+        lost = [s for s in self.senders.values() if s.peer_identity == identity and s.state not in TERMINAL]
+        for s in lost:
+            s.fail(ErrorCode.PEER_LOST, f"decode missed 3 heartbeats ({self.cfg.peer_lost_s:g}s)")
+            self.draining.extend(s.drain())
+        for room in [r for r, (_, i, _) in self.early.items() if i == identity]:
+            del self.early[room]
+        ucx = self.peer_ucx.pop(identity, None)
+        if ucx is not None and lost:
+            self.backend.disconnect(ucx)  # cancels sends to the dead peer
+            self.draining = [h for h in self.draining if not h.done]
+
+    def release(self, room: int) -> None:
+        sender = self.senders.pop(room, None)
+        if sender is not None:
+            self.draining.extend(sender.drain())
+
+    def stats(self) -> dict[str, int]:
+        return {"senders": len(self.senders), "early_infos": len(self.early),
+                "pending_sends": sum(s.pending() for s in self.senders.values()),
+                "draining": len(self.draining), "peers": len(self.peers)}
+
+    def close(self) -> None:
+        self.bootstrap.close()
+        self.control.close()

@@ -1,0 +1,47 @@
+"""Transfer state shared by senders and receivers: the ordered poll state and the error object.
+
+KVPoll is ordered so that min() over ranks or rooms gives the consensus state:
+FAILED=0 < BOOTSTRAPPING=1 < WAITING_FOR_INPUT=2 < TRANSFERRING=3 < SUCCESS=4.
+Failures are reported as a TransferError object on the room (`.error`), not raised from poll().
+TransferError is also raised for caller mistakes that cannot be queued (duplicate room).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class KVPoll(IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+class ErrorCode(IntEnum):
+    """HTTP-like codes, so a service can copy them into TokenOut.error_code."""
+
+    BAD_REQUEST = 400  # invalid pages, page count mismatch, bad metadata
+    UNAUTHORIZED = 401  # cluster token missing or wrong
+    TIMEOUT = 408  # bootstrap or waiting timeout
+    DUPLICATE_ROOM = 409  # a second sender/receiver/TransferInfo for one room
+    INCOMPATIBLE = 412  # compatibility hash mismatch (field named in the message)
+    ABORTED = 499  # aborted locally or by the peer
+    TRANSPORT = 500  # UCX error on a send or receive
+    PEER_LOST = 503  # peer missed 3 heartbeats
+
+
+class TransferError(Exception):
+    """Why a room failed: a code and a human-readable message naming the room."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"TransferError({self.code.name}, {self.message!r})"
+
+
+TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
