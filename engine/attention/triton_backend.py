@@ -91,7 +91,7 @@ class TritonAttention:
             *sm, *sl,
             HEAD_DIM=d, GROUP=group, PAGE_SIZE=meta.page_size,
             BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
-            BLOCK_D=block_d, NUM_SPLITS=splits, DOT_PRECISION=_precision(q),
+            BLOCK_D=block_d, NUM_SPLITS=splits, DOT_PRECISION=_precision(q), UPCAST=_upcast(q),
             num_warps=cfg.num_warps,
         )
         if splits > 1:
@@ -106,21 +106,31 @@ class TritonAttention:
         batch, hq, d = len(meta.seq_lens_list), q.shape[1], q.shape[2]
         group = hq // k_pages.shape[2]
         grid = (batch, hq, triton.cdiv(meta.max_q_len, cfg.extend_block_m))
+        block_d = triton.next_power_of_2(d)
+        # fp32 tiles with a wide head would overflow shared memory at the default tile size
+        block_n = cfg.extend_block_n
+        if q.element_size() == 4 and block_d >= 128:
+            block_n = min(block_n, 32)
         kern.extend_kernel[grid](
             q, k_pages, v_pages, out, meta.page_table, meta.seq_lens, meta.q_lens, meta.q_starts,
             meta.scale * kern.LOG2E,
             *q.stride(), *k_pages.stride(), *v_pages.stride(), meta.page_table.stride(0),
             out.stride(0), out.stride(1),
             HEAD_DIM=d, GROUP=group, PAGE_SIZE=meta.page_size,
-            BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
-            BLOCK_D=triton.next_power_of_2(d), DOT_PRECISION=_precision(q),
-            num_warps=cfg.num_warps,
+            BLOCK_M=cfg.extend_block_m, BLOCK_N=block_n,
+            BLOCK_D=block_d, DOT_PRECISION=_precision(q), UPCAST=_upcast(q),
+            num_warps=cfg.num_warps, num_stages=2,
         )
 
 
+def _upcast(q: torch.Tensor) -> bool:
+    # CPU tensors only run under the interpreter, whose tl.dot is wrong for bf16: dot in fp32 there
+    return q.device.type == "cpu" and q.dtype != torch.float32
+
+
 def _precision(q: torch.Tensor) -> str:
-    # fp32 must not silently drop to TF32 on the GPU; half types ignore this setting
-    return "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32 (and upcast) operands must not silently drop to TF32 on the GPU; half types ignore this
+    return "ieee" if q.dtype == torch.float32 or _upcast(q) else "tf32"
 
 
 def _check_inputs(

@@ -15,6 +15,8 @@ Pool views are strided (`pool[:, layer, 0]` of `[num_pages, num_layers, 2, page_
 stride is passed explicitly and page ids are widened to int64 before they scale a stride. Head dims
 that are not a power of two are padded to BLOCK_D and masked. Scores use exp2 with the scale folded
 into log2(e). fp32 inputs use IEEE dot products (no TF32) so results match the torch reference.
+UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET=1) converts q/k/v to fp32 before the dots:
+the interpreter's `tl.dot` mishandles bf16 operands (numpy has no bf16).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def decode_stage1_kernel(
     stride_lb, stride_lh,  # lse: [B, Hq, NUM_SPLITS]
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,6 +77,8 @@ def decode_stage1_kernel(
         q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=h_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_H, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
     page_row = page_table_ptr + b.to(tl.int64) * stride_pt
 
     m_i = tl.full([BLOCK_H], NEG_BIG, tl.float32)
@@ -85,6 +89,8 @@ def decode_stage1_kernel(
         n_mask = offs_n < hi
         k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                            stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, NEG_BIG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -93,6 +99,8 @@ def decode_stage1_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                            stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -147,7 +155,7 @@ def extend_kernel(
     stride_pt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -170,6 +178,8 @@ def extend_kernel(
         q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
         mask=m_mask[:, None] & d_mask[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
     q_pos = prefix + offs_m  # absolute positions of these queries
     page_row = page_table_ptr + b.to(tl.int64) * stride_pt
     end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)  # keys past the last query are unseen
@@ -182,6 +192,8 @@ def extend_kernel(
         n_mask = offs_n < end
         k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                            stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, NEG_BIG)
@@ -191,6 +203,8 @@ def extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                            stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
