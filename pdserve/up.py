@@ -1,0 +1,287 @@
+"""`pdserve up`: router + prefill + decode services on this machine, the local quick start.
+
+1. Pick free ports, write a random internal token (workers only accept requests that carry it).
+2. Start N prefill and M decode services (`python -m pdserve prefill|decode ...`) and the router, each
+   in its own session, logs in --log-dir.
+3. Wait until every worker's and the router's /health answers 200, printing progress; if a child
+   exits first, print its log tail, stop the rest, exit 1.
+4. Print the URL and a curl example, then watch the children until Ctrl-C / SIGTERM: stop the router,
+   then the workers (SIGTERM, SIGKILL after --grace seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+TOKEN_HEADER = "x-pdserve-token"
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill services")
+    p.add_argument("--decode", type=int, default=1, help="number of decode services")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address (workers bind 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument(
+        "--model", default="embedded:smollm2-135m", help="model for every worker (see pdserve prefill --help)"
+    )
+    p.add_argument(
+        "--device", default="auto", help="cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker"
+    )
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens per worker")
+    p.add_argument("--transfer-backend", default="ucx", choices=("ucx", "fake"), help="KV transfer backend")
+    p.add_argument("--prefill-policy", default="least_load", help="router policy for prefill workers")
+    p.add_argument("--decode-policy", default="least_load", help="router policy for decode workers")
+    p.add_argument("--api-key-file", default=None, help="client API keys for the router (one per line)")
+    p.add_argument("--worker-args", default="", help="extra flags for every worker, one shell-quoted string")
+    p.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for everything to be healthy"
+    )
+    p.add_argument(
+        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
+    p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
+    p.add_argument(
+        "--worker-cmd",
+        default=f"{shlex.quote(sys.executable)} -m pdserve",
+        help="command that runs a worker, followed by its role and flags (default: this python -m pdserve)",
+    )
+    return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _devices(device: str, n: int) -> list[str]:
+    if device != "cuda":
+        return [device] * n
+    import torch
+
+    count = torch.cuda.device_count()
+    return [f"cuda:{i % count}" if count > 1 else "cuda" for i in range(n)]
+
+
+def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    print(f"started {name} pid {popen.pid}: {url} (log {log_path})", flush=True)
+    return Child(name, url, popen, log_path)
+
+
+def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: list[Child]) -> None:
+    """Spawn the workers, then the router, into `children` (kept in stop order: router first), so a
+    signal in the middle still leaves every started child in the list."""
+    base = shlex.split(a.worker_cmd)
+    extra = shlex.split(a.worker_args)
+    if a.max_total_tokens:
+        extra += ["--max-total-tokens", str(a.max_total_tokens)]
+    roles = ["prefill"] * a.prefill + ["decode"] * a.decode
+    workers: list[Child] = []
+    router_workers: list[str] = []
+    for i, (role, device) in enumerate(zip(roles, _devices(a.device, len(roles)))):
+        port = _free_port()
+        argv = [
+            *base,
+            role,
+            "--port",
+            str(port),
+            "--model",
+            a.model,
+            "--device",
+            device,
+            "--internal-token-file",
+            str(token_file),
+            *extra,
+        ]
+        if role == "prefill":
+            bootstrap_port = _free_port()
+            argv += ["--bootstrap-port", str(bootstrap_port), "--transfer-backend", a.transfer_backend]
+            router_workers += ["--prefill", f"http://127.0.0.1:{port},bootstrap_port={bootstrap_port}"]
+        else:
+            argv += ["--transfer-backend", a.transfer_backend]
+            router_workers += ["--decode", f"http://127.0.0.1:{port}"]
+        index = i if role == "prefill" else i - a.prefill
+        workers.append(_spawn(f"{role}-{index}", argv, f"http://127.0.0.1:{port}", log_dir))
+        children.append(workers[-1])
+    router_argv = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "router",
+        "--host",
+        a.host,
+        "--port",
+        str(a.port),
+        "--internal-token-file",
+        str(token_file),
+        "--prefill-policy",
+        a.prefill_policy,
+        "--decode-policy",
+        a.decode_policy,
+    ]
+    router_argv += router_workers
+    if a.api_key_file:
+        router_argv += ["--api-key-file", a.api_key_file]
+    host = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host
+    children.insert(0, _spawn("router", router_argv, f"http://{host}:{a.port}", log_dir))
+
+
+def _healthy(c: Child, token: str) -> bool:
+    try:
+        return httpx.get(c.url + "/health", headers={TOKEN_HEADER: token}, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(children: list[Child], token: str, timeout: float) -> Child | None:
+    """None once all are healthy; the child that died (or still waits at the timeout) otherwise."""
+    t0, last_print = time.monotonic(), 0.0
+    pending = list(reversed(children))  # workers first, router last
+    while pending:
+        for c in list(pending):
+            if c.popen.poll() is not None:
+                return c
+            if _healthy(c, token):
+                pending.remove(c)
+                print(f"  {c.name} healthy after {time.monotonic() - t0:.0f}s", flush=True)
+        elapsed = time.monotonic() - t0
+        if pending and elapsed > timeout:
+            return pending[0]
+        if pending and elapsed - last_print >= 10:
+            last_print = elapsed
+            print(f"  waiting for {', '.join(c.name for c in pending)} ({elapsed:.0f}s)", flush=True)
+        time.sleep(0.25)
+    return None
+
+
+def stop_all(children: list[Child], grace: float) -> None:
+    """SIGTERM every child still running (router first), SIGKILL what is left after `grace` seconds."""
+    for c in children:
+        if c.popen.poll() is None:
+            c.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"{c.name} did not stop in {grace:g}s: SIGKILL", flush=True)
+            c.popen.kill()
+            c.popen.wait()
+
+
+def _model_name(router: Child, api_key_file: str | None) -> str:
+    headers = {}
+    if api_key_file:
+        key = next(s.strip() for s in Path(api_key_file).read_text().splitlines() if s.strip())
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        data = httpx.get(router.url + "/v1/models", headers=headers, timeout=5.0).json()["data"]
+        return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return "default"
+
+
+def _print_ready(router: Child, model: str, with_key: bool) -> None:
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    auth = " -H 'Authorization: Bearer <key>'" if with_key else ""
+    print(
+        f"\npdserve is up: {router.url}  (OpenAI API: {router.url}/v1)\n"
+        f"  curl {router.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{body}'\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+
+
+class _Stop(Exception):
+    pass
+
+
+def _on_signal(signum, frame) -> None:
+    raise _Stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.prefill < 1 or a.decode < 1:
+        print("pdserve up: --prefill and --decode must be >= 1", file=sys.stderr)
+        return 2
+    log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    token_file = log_dir / "internal-token"
+    token_file.write_text(token)
+    os.chmod(token_file, 0o600)
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    children: list[Child] = []
+    try:
+        start_all(a, log_dir, token_file, children)
+        bad = wait_healthy(children, token, a.startup_timeout)
+        if bad is not None:
+            state = (
+                f"exited with {bad.popen.returncode}"
+                if bad.popen.poll() is not None
+                else "never became healthy"
+            )
+            print(f"\n{bad.name} {state}; last lines of {bad.log_path}:\n{bad.tail()}", file=sys.stderr)
+            return 1
+        _print_ready(children[0], _model_name(children[0], a.api_key_file), bool(a.api_key_file))
+        while True:
+            for c in children:
+                if c.popen.poll() is not None:
+                    print(
+                        f"\n{c.name} exited with {c.popen.returncode}; last lines:\n{c.tail()}",
+                        file=sys.stderr,
+                    )
+                    return 1
+            time.sleep(0.5)
+    except _Stop:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_IGN if s == signal.SIGINT else handler)
+        stop_all(children, a.grace)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if children:
+            print(f"stopped; logs in {log_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

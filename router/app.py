@@ -1,0 +1,221 @@
+"""The router's FastAPI app.
+
+    POST /v1/chat/completions, /v1/completions, /generate   proxied to a prefill/decode pair (router.proxy)
+    GET  /v1/models                                         from a healthy decode worker
+    GET  /health        200 when at least one prefill and one decode are eligible, else 503
+    GET  /livez         200 while the process serves HTTP
+    GET  /metrics       Prometheus text (router.metrics)
+    GET  /admin/workers, POST /admin/workers {url, role, bootstrap_port?}, DELETE /admin/workers?url=
+Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1/*, /generate, /admin/*.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from router.client import WorkerClient
+from router.config import RouterConfig, WorkerSpec
+from router.discovery_k8s import K8sDiscovery
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.protocol import BadRequest, error_body, parse_request
+from router.proxy import ClientGone, Proxy, ProxyError
+from router.registry import Registry
+
+log = logging.getLogger("router.app")
+
+
+class RouterState:
+    """Everything one router process owns; built from the config, started in the app's lifespan."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.registry = Registry(
+            cfg.health_failures, on_eject=lambda w: self.metrics.ejections.inc(role=w.role, url=w.url)
+        )
+        for spec in cfg.workers:
+            self.registry.add(spec)
+        self.client = WorkerClient(cfg.internal_token, cfg.connect_timeout_s, cfg.request_timeout_s)
+        policies = {
+            role: make_policy(
+                name, cfg.cache_prefix_chars, cfg.balance_abs_threshold, cfg.balance_rel_threshold
+            )
+            for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))
+        }
+        self.proxy = Proxy(self.registry, self.client, policies, self.metrics, cfg.max_retries)
+        self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s)
+        self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None
+
+    async def start(self) -> None:
+        self.health.start()
+        if self.discovery is not None:
+            self.discovery.start()
+
+    async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
+        await self.health.stop()
+        await self.client.close()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+def _authorized(cfg: RouterConfig, request: Request) -> JSONResponse | None:
+    if not cfg.api_keys:
+        return None
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return _error(401, "missing API key: send 'Authorization: Bearer <key>'")
+    key = key.strip()
+    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in cfg.api_keys):
+        return _error(401, "invalid API key")
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+
+
+def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
+    st = state or RouterState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await st.start()
+        try:
+            yield
+        finally:
+            await st.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.router = st
+
+    async def proxied(endpoint: str, request: Request) -> Response:
+        t0 = time.monotonic()
+        denied = _authorized(cfg, request)
+        status = denied.status_code if denied else 0
+        try:
+            if denied:
+                return denied
+            req = parse_request(endpoint, await _read_json(request))
+            if req.stream:
+                body = await st.proxy.stream(req, lambda: _wait_disconnect(request))
+                status = -1  # counted by the stream itself when it ends
+                return StreamingResponse(
+                    body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
+            status, raw = await st.proxy.unary(req, lambda: _wait_disconnect(request))
+            return Response(raw, status_code=status, media_type="application/json")
+        except BadRequest as e:
+            status = 400
+            return _error(400, str(e))
+        except ProxyError as e:
+            status = e.status
+            return _error(e.status, e.message)
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
+        finally:
+            if status >= 0:
+                st.metrics.requests.inc(endpoint=endpoint, status=str(status))
+                st.metrics.e2e.observe(time.monotonic() - t0)
+
+    def route(endpoint: str):
+        async def handler(request: Request) -> Response:
+            return await proxied(endpoint, request)
+
+        return handler
+
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        app.add_api_route(path, route(path), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if denied := _authorized(cfg, request):
+            return denied
+        for w in st.registry.eligible("decode"):
+            try:
+                r = await st.client.http.get(f"{w.url}/v1/models", timeout=10.0)
+            except httpx.HTTPError as e:
+                log.info("GET %s/v1/models failed: %r", w.url, e)
+                continue
+            if r.is_success:
+                return Response(r.content, status_code=200, media_type="application/json")
+        return _error(503, "no healthy decode worker to list models")
+
+    @app.get("/health")
+    async def health() -> Response:
+        counts = {role: len(st.registry.eligible(role)) for role in ("prefill", "decode")}
+        ready = all(counts.values())
+        body = {"status": "ok" if ready else "unavailable", "eligible_workers": counts}
+        if not ready:
+            body["message"] = "need at least one healthy prefill and one healthy decode worker"
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
+
+    _add_admin_routes(app, cfg, st)
+    return app
+
+
+def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
+    @app.get("/admin/workers")
+    async def list_workers(request: Request) -> Response:
+        if denied := _authorized(cfg, request):
+            return denied
+        return JSONResponse({"workers": [w.to_json() for w in st.registry.all()]})
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> Response:
+        if denied := _authorized(cfg, request):
+            return denied
+        try:
+            body = await _read_json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise BadRequest("body must be an object with 'url', 'role' and optional 'bootstrap_port'")
+            port = body.get("bootstrap_port")
+            if port is not None and (not isinstance(port, int) or body.get("role") != "prefill"):
+                raise BadRequest("'bootstrap_port' must be an integer and only for role prefill")
+            spec = WorkerSpec(url=body["url"], role=str(body.get("role")), bootstrap_port=port)
+        except ValueError as e:  # BadRequest is a ValueError too
+            return _error(400, str(e))
+        w = st.registry.add(spec, source="admin")
+        await st.health.probe(w)
+        return JSONResponse(w.to_json())
+
+    @app.delete("/admin/workers")
+    async def remove_worker(request: Request, url: str = "") -> Response:
+        if denied := _authorized(cfg, request):
+            return denied
+        w = st.registry.remove(url) if url else None
+        if w is None:
+            return _error(404, f"no worker with url {url!r}")
+        return JSONResponse(w.to_json())

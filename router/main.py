@@ -1,0 +1,158 @@
+"""`pdserve router`: parse flags (and an optional YAML file) into one RouterConfig and serve the app."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from router.config import POLICIES, K8sConfig, RouterConfig, load_yaml, parse_worker_flag, read_secret_lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, k = RouterConfig(), K8sConfig()
+    p = argparse.ArgumentParser(prog="pdserve router", description=__doc__)
+    p.add_argument("--host", default=d.host, help="HTTP bind address")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL[,bootstrap_port=N]",
+        help="a prefill worker (repeatable); without bootstrap_port it is read from /server_info",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)"
+    )
+    p.add_argument("--config", default=None, help="YAML file with workers and settings (flags win over it)")
+    p.add_argument(
+        "--prefill-policy",
+        choices=POLICIES,
+        default=None,
+        help=f"how a prefill worker is picked (default {d.prefill_policy})",
+    )
+    p.add_argument(
+        "--decode-policy",
+        choices=POLICIES,
+        default=None,
+        help=f"how a decode worker is picked (default {d.decode_policy})",
+    )
+    p.add_argument("--k8s-selector", default="", help="discover worker pods by this label selector")
+    p.add_argument("--k8s-namespace", default=k.namespace, help="namespace of the worker pods")
+    p.add_argument(
+        "--k8s-api-server",
+        default="",
+        help="Kubernetes API URL (default: in-cluster, with the service account token)",
+    )
+    p.add_argument(
+        "--k8s-role-label", default=k.role_label, help="pod label holding the role (prefill/decode)"
+    )
+    p.add_argument(
+        "--k8s-bootstrap-port-annotation",
+        default=k.bootstrap_port_annotation,
+        help="pod annotation holding a prefill's bootstrap port",
+    )
+    p.add_argument("--k8s-port", type=int, default=k.worker_port, help="HTTP port of the worker pods")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with client API keys, one per line; when set, requests need 'Authorization: Bearer'",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="file with the token sent to workers in header x-pdserve-token",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help=f"seconds per attempt; streams: until the first token and between events "
+        f"(default {d.request_timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=None,
+        help=f"extra attempts on another pair when a side fails before the first token "
+        f"(default {d.max_retries})",
+    )
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=None,
+        help=f"seconds between health probes (default {d.health_interval_s:g})",
+    )
+    p.add_argument(
+        "--health-failures",
+        type=int,
+        default=None,
+        help=f"consecutive failures that eject a worker (default {d.health_failures})",
+    )
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    kw = load_yaml(ns.config) if ns.config else {}
+    workers = [parse_worker_flag(u, "prefill") for u in ns.prefill] + [
+        parse_worker_flag(u, "decode") for u in ns.decode
+    ]
+    if workers:
+        kw["workers"] = tuple(workers)
+    flags = {
+        "prefill_policy": ns.prefill_policy,
+        "decode_policy": ns.decode_policy,
+        "request_timeout_s": ns.request_timeout,
+        "max_retries": ns.max_retries,
+        "health_interval_s": ns.health_interval,
+        "health_failures": ns.health_failures,
+    }
+    kw.update({key: value for key, value in flags.items() if value is not None})
+    if ns.api_key_file:
+        kw["api_keys"] = read_secret_lines(ns.api_key_file)
+    if ns.internal_token_file:
+        token = Path(ns.internal_token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"--internal-token-file {ns.internal_token_file} is empty")
+        kw["internal_token"] = token
+    k8s = K8sConfig(
+        selector=ns.k8s_selector,
+        namespace=ns.k8s_namespace,
+        api_server=ns.k8s_api_server,
+        role_label=ns.k8s_role_label,
+        bootstrap_port_annotation=ns.k8s_bootstrap_port_annotation,
+        worker_port=ns.k8s_port,
+    )
+    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level, **kw)
+    if not cfg.workers and not k8s.enabled:
+        logging.getLogger("router").warning("no workers given: add them with POST /admin/workers")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(ns)
+    except (ValueError, OSError) as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from router.app import create_app
+
+    uvicorn.run(
+        create_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level.lower(),
+        access_log=cfg.log_level.lower() == "debug",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Request/response shapes the router touches: validating client bodies, adding the bootstrap fields,
+merging prefill's input logprobs into decode's answer, error bodies and SSE events.
+
+The router forwards bodies as they are (the workers validate sampling parameters); it only checks
+what it needs itself: one prompt per request (a request is one bootstrap room), `stream` a bool.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
+CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
+LIST_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+class BadRequest(ValueError):
+    """A client error; the message goes back in a 400 body."""
+
+
+@dataclass(frozen=True)
+class ProxyRequest:
+    endpoint: str
+    body: dict
+    stream: bool
+    prefix: str  # prompt text (or ids) used by cache_aware
+    prompt_tokens: int  # estimate
+    max_new_tokens: int  # estimate
+    input_logprobs: bool  # prefill's input logprobs go in front of decode's
+
+    def prefill_body(self, host: str, port: int, room: int) -> dict:
+        body = self.decode_body(host, port, room)
+        body["stream"] = False  # the router only needs prefill's final status (and input logprobs)
+        body.pop("stream_options", None)
+        return body
+
+    def decode_body(self, host: str, port: int, room: int) -> dict:
+        return {**self.body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
+def error_body(message: str, status: int, type_: str | None = None) -> dict:
+    kind = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def sse_event(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise BadRequest(msg)
+
+
+def _is_id_list(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+def _prompt_of(endpoint: str, body: dict) -> str | list[int]:
+    if endpoint == "/v1/chat/completions":
+        msgs = body.get("messages")
+        _need(isinstance(msgs, list) and bool(msgs), "'messages' must be a non-empty list")
+        _need(
+            all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs),
+            "each message must be an object with a string 'role'",
+        )
+        return "".join(f"{m['role']}:{json.dumps(m.get('content'))}\n" for m in msgs)
+    if endpoint == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        _need(
+            isinstance(prompt, str) or _is_id_list(prompt),
+            "'prompt' must be a string or a list of token ids (one prompt per request)",
+        )
+        return prompt
+    text, ids = body.get("text"), body.get("input_ids")
+    _need((text is None) != (ids is None), "give exactly one of 'text' and 'input_ids'")
+    _need(
+        isinstance(text, str) or _is_id_list(ids),
+        "'text' must be a string or 'input_ids' a list of token ids (one prompt per request)",
+    )
+    return text if text is not None else ids
+
+
+def _max_new_tokens(endpoint: str, body: dict) -> int:
+    if endpoint == "/generate":
+        sp = body.get("sampling_params", {})
+        _need(isinstance(sp, dict), "'sampling_params' must be an object")
+        value = sp.get("max_new_tokens")
+        name = "sampling_params.max_new_tokens"
+    else:
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        value = body.get(name)
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    _need(
+        isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+        f"'{name}' must be a non-negative integer",
+    )
+    return value
+
+
+def parse_request(endpoint: str, body: Any) -> ProxyRequest:
+    """Validate what the router needs and build the ProxyRequest (BadRequest on client errors)."""
+    _need(isinstance(body, dict), "request body must be a JSON object")
+    stream = body.get("stream", False)
+    _need(isinstance(stream, bool), "'stream' must be true or false")
+    n = body.get("n", 1)
+    _need(n in (None, 1), "'n' > 1 is not supported: each request is one prefill/decode room")
+    prompt = _prompt_of(endpoint, body)
+    prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+    tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
+    if endpoint == "/generate":
+        input_lp = bool(body.get("return_logprob"))
+    else:
+        input_lp = (
+            endpoint == "/v1/completions" and bool(body.get("echo")) and body.get("logprobs") is not None
+        )
+    return ProxyRequest(
+        endpoint=endpoint,
+        body=body,
+        stream=stream,
+        prefix=prefix,
+        prompt_tokens=tokens,
+        max_new_tokens=_max_new_tokens(endpoint, body),
+        input_logprobs=input_lp,
+    )
+
+
+def merge_input_logprobs(endpoint: str, prefill: dict, decode: dict) -> dict:
+    """Put prefill's input logprobs in front of decode's (decode's body is changed and returned).
+
+    /generate: every list under `meta_info` whose key starts with `input_`.
+    /v1/completions (echo + logprobs): the lists of each choice's `logprobs`, matched by index.
+    """
+    if endpoint == "/generate":
+        pm, dm = prefill.get("meta_info"), decode.get("meta_info")
+        if isinstance(pm, dict) and isinstance(dm, dict):
+            for key, value in pm.items():
+                if key.startswith("input_") and isinstance(value, list):
+                    rest = dm.get(key)
+                    dm[key] = value + (rest if isinstance(rest, list) else [])
+        return decode
+    pchoices = {
+        c.get("index", i): c for i, c in enumerate(prefill.get("choices") or []) if isinstance(c, dict)
+    }
+    for i, choice in enumerate(decode.get("choices") or []):
+        pc = pchoices.get(choice.get("index", i)) if isinstance(choice, dict) else None
+        plp, dlp = (pc or {}).get("logprobs"), choice.get("logprobs") if isinstance(choice, dict) else None
+        if isinstance(plp, dict) and isinstance(dlp, dict):
+            for key in LIST_LOGPROB_KEYS:
+                if isinstance(plp.get(key), list):
+                    dlp[key] = plp[key] + (dlp.get(key) or [])
+    return decode
+
+
+def error_of(obj: Any) -> tuple[int, str] | None:
+    """(status, message) when a worker's JSON (body or SSE event) is an error object, else None."""
+    if not isinstance(obj, dict) or "error" not in obj:
+        return None
+    err = obj["error"]
+    if isinstance(err, dict):
+        code = err.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        return status, str(err.get("message", err))
+    return 500, str(err)

@@ -1,0 +1,346 @@
+"""Prefill/decode dispatch of one client request.
+
+1. Pick a prefill P and a decode D (each role's policy, over eligible workers, avoiding workers that
+   already failed this request), mint a random 63-bit `bootstrap_room`.
+2. POST the body plus `bootstrap_host`/`bootstrap_port` (P's bootstrap server)/`bootstrap_room` to P
+   and D at once. P gets `stream: false`: its JSON answer tells the router whether prefill worked (and
+   carries the prompt's input logprobs); D's answer (JSON or SSE stream) is what the client gets.
+3. Until the first token reaches the client (unary: until D's whole answer), a failure of either side
+   (transport error, timeout, 5xx, error object) aborts the room on both sides and the request is
+   retried on another pair with a new room, at most `max_retries` times. A 4xx is the client's fault:
+   it is relayed, not retried. A client disconnect aborts both sides.
+4. Once streaming began, a failure of D ends the stream with an `data: {"error": ...}` event; a
+   stream that does not end cleanly (error, client disconnect) aborts the room on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.client import WorkerClient
+from router.metrics import RouterMetrics
+from router.policies import Policy
+from router.protocol import ProxyRequest, error_body, error_of, merge_input_logprobs, sse_event
+from router.registry import Lease, Registry, Worker
+from router.sse import DONE, SSEReader, event_json
+
+Disconnected = Callable[[], Awaitable[None]]
+
+
+class ProxyError(Exception):
+    """Ends a request with an error answer before anything was sent to the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ClientGone(Exception):
+    """The client disconnected while the router was waiting on workers."""
+
+
+@dataclass
+class SideResult:
+    worker: Worker
+    status: int  # HTTP status; 0 = transport error or timeout
+    body: Any = None
+    message: str = ""
+    raw: bytes = b""  # the body as received (relayed as is when nothing was merged into it)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300 and error_of(self.body) is None
+
+    @property
+    def worker_fault(self) -> bool:
+        return self.status == 0 or self.status >= 500
+
+
+class AttemptFailed(Exception):
+    def __init__(self, side: str, result: SideResult) -> None:
+        super().__init__(f"{side} {result.worker.url}: {result.message}")
+        self.side = side
+        self.result = result
+
+
+@dataclass
+class StreamStart:
+    response: httpx.Response
+    reader: SSEReader
+    first: bytes  # the first raw SSE event (re-encoded when input logprobs were merged into it)
+    lease: Lease
+
+
+def _result(w: Worker, status: int, content: bytes) -> SideResult:
+    try:
+        body = json.loads(content) if content else None
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        body = None
+    err = error_of(body)
+    if err is not None:
+        return SideResult(w, status if status >= 400 else err[0], body, err[1])
+    if 200 <= status < 300 and body is None:
+        return SideResult(w, 502, None, "worker answered with a body that is not JSON")
+    message = "" if status < 400 else content[:500].decode("utf-8", "replace")
+    return SideResult(w, status, body, message, content)
+
+
+async def _never() -> None:
+    await asyncio.Event().wait()
+
+
+class Proxy:
+    def __init__(
+        self,
+        registry: Registry,
+        client: WorkerClient,
+        policies: dict[str, Policy],
+        metrics: RouterMetrics,
+        max_retries: int,
+    ) -> None:
+        self.registry = registry
+        self.client = client
+        self.policies = policies
+        self.metrics = metrics
+        self.max_retries = max_retries
+        self._background: set[asyncio.Task] = set()
+
+    # ---- public API -------------------------------------------------------------------------------
+    async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
+        """Run a non-streaming request: decode's (status, JSON bytes). Raises ProxyError/ClientGone."""
+        return await self._with_retries(
+            req, lambda p, d, room: self._attempt_unary(req, p, d, room, disconnected)
+        )
+
+    async def stream(
+        self, req: ProxyRequest, disconnected: Disconnected | None = None
+    ) -> AsyncIterator[bytes]:
+        """Start a streaming request; returns the SSE byte iterator once decode's first event arrived."""
+        t0 = time.monotonic()
+        start, p, d, room = await self._with_retries(
+            req, lambda p, d, room: self._attempt_stream(req, p, d, room, disconnected)
+        )
+        return self._relay(req, start, p, d, room, t0)
+
+    # ---- pairing and retries ------------------------------------------------------------------------
+    def _pick(self, role: str, prefix: str, tried: set[str]) -> Worker:
+        eligible = self.registry.eligible(role)
+        if not eligible:
+            raise ProxyError(503, f"no healthy {role} worker available")
+        fresh = [w for w in eligible if w.url not in tried]
+        return self.policies[role].pick(fresh or eligible, prefix)
+
+    async def _with_retries(self, req: ProxyRequest, attempt):
+        tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        last: AttemptFailed | None = None
+        for n in range(self.max_retries + 1):
+            if n:
+                self.metrics.retries.inc()
+            p = self._pick("prefill", req.prefix, tried["prefill"])
+            d = self._pick("decode", req.prefix, tried["decode"])
+            try:
+                return await attempt(p, d, secrets.randbits(63))
+            except AttemptFailed as e:
+                if not e.result.worker_fault:
+                    raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
+                tried[e.side].add(e.result.worker.url)
+                last = e
+        assert last is not None
+        status = 504 if "Timeout" in last.result.message else 502
+        raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
+
+    def _check(self, side: str, res: SideResult) -> None:
+        if res.ok:
+            self.registry.record_success(res.worker)
+            return
+        if res.worker_fault:
+            self.registry.record_failure(res.worker, res.message)
+        raise AttemptFailed(side, res)
+
+    def _abort_both(self, p: Worker, d: Worker, room: int) -> None:
+        self.client.abort_room_soon(p, room)
+        self.client.abort_room_soon(d, room)
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _await_sides(
+        self, req: ProxyRequest, p_task: asyncio.Task, d_task: asyncio.Task, disconnected: Disconnected | None
+    ) -> None:
+        """Wait until decode answered (and prefill too when its logprobs are needed); fail fast on
+        either side's failure or a client disconnect."""
+        watch = asyncio.ensure_future((disconnected or _never)())
+        pending = {p_task, d_task}
+        try:
+            while d_task in pending or (req.input_logprobs and p_task in pending):
+                done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:
+                    raise ClientGone()
+                for t in done:
+                    pending.discard(t)
+                    res = t.result()
+                    self._check(
+                        "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res
+                    )
+        finally:
+            watch.cancel()
+
+    # ---- one attempt ----------------------------------------------------------------------------------
+    async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int) -> SideResult:
+        lease = self.registry.lease(w, tokens)
+        try:
+            r = await self.client.http.post(f"{w.url}{endpoint}", json=body)
+        except httpx.HTTPError as e:
+            return SideResult(w, 0, None, f"{type(e).__name__}: {e}")
+        finally:
+            lease.release()
+        return _result(w, r.status_code, r.content)
+
+    async def _attempt_unary(
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+    ) -> tuple[int, bytes]:
+        host, port = p.bootstrap_host, p.bootstrap_port
+        p_task = asyncio.ensure_future(
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+        )
+        d_task = asyncio.ensure_future(
+            self._post_json(
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+            )
+        )
+        ok = False
+        try:
+            await self._await_sides(req, p_task, d_task, disconnected)
+            res = d_task.result()
+            raw = res.raw
+            if req.input_logprobs and isinstance(res.body, dict):
+                raw = json.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body)).encode()
+            ok = True
+            return res.status, raw
+        finally:
+            if ok:
+                self._keep(p_task)  # prefill may still be finishing its transfer bookkeeping
+            else:
+                p_task.cancel()
+                d_task.cancel()
+                self._abort_both(p, d, room)
+
+    async def _open_stream(
+        self, w: Worker, endpoint: str, body: dict, tokens: int
+    ) -> tuple[SideResult, StreamStart | None]:
+        lease: Lease | None = self.registry.lease(w, tokens)
+        resp: httpx.Response | None = None
+        try:
+            request = self.client.http.build_request("POST", f"{w.url}{endpoint}", json=body)
+            resp = await self.client.http.send(request, stream=True)
+            if not resp.is_success:
+                return _result(w, resp.status_code, await resp.aread()), None
+            reader = SSEReader(resp.aiter_bytes())
+            first = await reader.next_event()
+            if first is None:
+                return SideResult(w, 502, None, "stream ended before its first event"), None
+            obj = event_json(first)
+            err = error_of(obj)
+            if err is not None:
+                return SideResult(w, err[0], obj, err[1]), None
+            start = StreamStart(resp, reader, first, lease)
+            resp = lease = None  # owned by the StreamStart now
+            return SideResult(w, 200, obj), start
+        except httpx.HTTPError as e:
+            return SideResult(w, 0, None, f"{type(e).__name__}: {e}"), None
+        finally:
+            if resp is not None:
+                await resp.aclose()
+            if lease is not None:
+                lease.release()
+
+    async def _attempt_stream(
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+    ) -> tuple[StreamStart, Worker, Worker, int]:
+        host, port = p.bootstrap_host, p.bootstrap_port
+        p_task = asyncio.ensure_future(
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+        )
+        d_task = asyncio.ensure_future(
+            self._open_stream(
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+            )
+        )
+        ok = False
+        try:
+            await self._await_sides(req, p_task, d_task, disconnected)
+            res, start = d_task.result()
+            assert start is not None
+            if req.input_logprobs and isinstance(res.body, dict):
+                start.first = sse_event(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))[
+                    :-2
+                ]
+            ok = True
+            return start, p, d, room
+        finally:
+            if ok:
+                self._keep(p_task)
+            else:
+                p_task.cancel()
+                d_task.cancel()
+                d_task.add_done_callback(_close_started_stream)
+                self._abort_both(p, d, room)
+
+    # ---- relaying a started stream -----------------------------------------------------------------
+    async def _relay(
+        self, req: ProxyRequest, start: StreamStart, p: Worker, d: Worker, room: int, t0: float
+    ) -> AsyncIterator[bytes]:
+        outcome = "client_disconnect"
+        last = time.monotonic()
+        self.metrics.ttft.observe(last - t0)
+        try:
+            raw: bytes | None = start.first
+            while raw is not None:
+                obj = event_json(raw)
+                yield raw + b"\n\n"
+                if error_of(obj) is not None:
+                    outcome = "stream_error"
+                if obj == DONE:
+                    break
+                try:
+                    raw = await start.reader.next_event()
+                except httpx.HTTPError as e:
+                    self.registry.record_failure(d, repr(e))
+                    outcome = "stream_error"
+                    yield sse_event(
+                        error_body(f"decode worker {d.url} failed mid-stream: {type(e).__name__}", 502)
+                    )
+                    yield b"data: [DONE]\n\n"
+                    return
+                now = time.monotonic()
+                self.metrics.itl.observe(now - last)
+                last = now
+            if outcome == "client_disconnect":
+                outcome = "200"
+        finally:
+            start.lease.release()
+            if outcome != "200":
+                self._abort_both(p, d, room)
+            self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
+            self.metrics.e2e.observe(time.monotonic() - t0)
+            await start.response.aclose()
+
+
+def _close_started_stream(task: asyncio.Task) -> None:
+    """A decode stream opened after its attempt was abandoned: close it and drop its load."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    _, start = task.result()
+    if start is not None:
+        start.lease.release()
+        asyncio.ensure_future(start.response.aclose())

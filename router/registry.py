@@ -1,0 +1,138 @@
+"""Worker registry: the router's view of its prefill and decode workers.
+
+A worker is *eligible* for new requests when it is healthy (its last probes passed, fewer than
+`health_failures` failures in a row) and, for prefill, its bootstrap port is known. Load
+(outstanding requests and estimated tokens) is counted here by the proxy through `acquire`.
+Everything runs on the router's single event loop, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from router.config import WorkerSpec
+
+log = logging.getLogger("router.registry")
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    bootstrap_host: str = ""  # host decodes use to reach this prefill's bootstrap server
+    bootstrap_port: int | None = None
+    healthy: bool = False  # becomes True after the first passing probe
+    consecutive_failures: int = 0
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    served_model_name: str = ""
+    source: str = "static"  # static | admin | k8s
+    ejections: int = field(default=0)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and (self.role != "prefill" or self.bootstrap_port is not None)
+
+    def to_json(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "eligible": self.eligible,
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "outstanding_requests": self.outstanding_requests,
+            "outstanding_tokens": self.outstanding_tokens,
+            "consecutive_failures": self.consecutive_failures,
+            "ejections": self.ejections,
+            "source": self.source,
+        }
+
+
+class Registry:
+    """Workers by URL. `on_eject(worker)` is called once per healthy -> ejected transition."""
+
+    def __init__(self, health_failures: int, on_eject=None, on_admit=None) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._health_failures = health_failures
+        self._on_eject = on_eject
+        self._on_admit = on_admit
+
+    def add(self, spec: WorkerSpec, source: str = "static") -> Worker:
+        """Add a worker (not yet healthy: the next probe admits it). Re-adding the same spec is a no-op;
+        a different spec at the same URL replaces it."""
+        old = self._workers.get(spec.url)
+        if old is not None and old.spec == spec:
+            return old
+        w = Worker(spec=spec, bootstrap_host=spec.host, bootstrap_port=spec.bootstrap_port, source=source)
+        self._workers[spec.url] = w
+        log.info("worker added: %s %s (%s)", spec.role, spec.url, source)
+        return w
+
+    def remove(self, url: str) -> Worker | None:
+        w = self._workers.pop(url.rstrip("/"), None)
+        if w is not None:
+            log.info("worker removed: %s %s", w.role, w.url)
+        return w
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url.rstrip("/"))
+
+    def all(self, role: str | None = None) -> list[Worker]:
+        return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def eligible(self, role: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.eligible]
+
+    def record_success(self, w: Worker) -> None:
+        w.consecutive_failures = 0
+        if not w.healthy:
+            w.healthy = True
+            log.info("worker admitted: %s %s", w.role, w.url)
+            if self._on_admit:
+                self._on_admit(w)
+
+    def record_failure(self, w: Worker, reason: str) -> None:
+        """A failed probe or request. At `health_failures` in a row the worker is ejected."""
+        w.consecutive_failures += 1
+        if w.healthy and w.consecutive_failures >= self._health_failures:
+            w.healthy = False
+            w.ejections += 1
+            log.warning(
+                "worker ejected: %s %s after %d failures (last: %s)",
+                w.role,
+                w.url,
+                w.consecutive_failures,
+                reason,
+            )
+            if self._on_eject:
+                self._on_eject(w)
+
+    def lease(self, w: Worker, tokens: int) -> Lease:
+        """Count one outstanding request of `tokens` estimated tokens on `w` until `release()`."""
+        return Lease(w, tokens)
+
+
+class Lease:
+    """One request's share of a worker's load; `release` is idempotent."""
+
+    def __init__(self, w: Worker, tokens: int) -> None:
+        self.worker = w
+        self.tokens = tokens
+        self._held = True
+        w.outstanding_requests += 1
+        w.outstanding_tokens += tokens
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.worker.outstanding_requests -= 1
+            self.worker.outstanding_tokens -= self.tokens
