@@ -20,10 +20,10 @@ from engine.sampling import Sampler
 class ExtendItem:
     req: Req
     num_tokens: int  # prompt tokens computed this step, from req.kv_len
+    completes_prompt: bool = False  # fixed at planning time, before kv_len advances
 
-    @property
-    def completes_prompt(self) -> bool:
-        return self.req.kv_len + self.num_tokens >= len(self.req.fill_ids)
+    def __post_init__(self) -> None:
+        self.completes_prompt = self.req.kv_len + self.num_tokens >= len(self.req.fill_ids)
 
 
 @dataclass

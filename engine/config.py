@@ -19,6 +19,19 @@ EMBEDDED_MODEL = "embedded:smollm2-135m"
 ROLES = ("colocated", "prefill", "decode")
 
 
+CPU_DEFAULT_TOKENS = 16384  # fp32 KV on the CPU: 16k tokens of the embedded model are ~750 MB
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from a config.json: transformers<5 keys, or >=5's `rope_parameters`."""
+    params = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return float(theta), scaling
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int
@@ -56,8 +69,8 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=_rope(cfg)[0],
+            rope_scaling=_rope(cfg)[1],
             max_position=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -132,8 +145,8 @@ class PDConfig:
     cluster_token: str | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.bootstrap_port < 65536:
-            raise ValueError("--bootstrap-port must be in 1..65535")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError("--bootstrap-port must be in 0..65535 (0 = pick a free port)")
         if self.transfer_backend not in ("ucx", "fake"):
             raise ValueError("--transfer-backend must be ucx or fake")
         if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
@@ -179,8 +192,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda if available)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
-                   help="device KV pool size in tokens")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help=f"device KV pool size in tokens (default: {d.max_total_tokens} on cuda, "
+                        f"{CPU_DEFAULT_TOKENS} on cpu)")
     g.add_argument("--host-kv-tokens", type=int, default=d.host_kv_tokens,
                    help="host (CPU) KV pool size in tokens, where retracted requests' KV is offloaded")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
@@ -233,9 +247,11 @@ def resolve_device(device: str) -> str:
 def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
     device = resolve_device(ns.device)
     dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    d_tokens = EngineConfig.max_total_tokens
     eng = EngineConfig(
         model=ns.model, device=device, dtype=dtype, page_size=ns.page_size,
-        max_total_tokens=ns.max_total_tokens, host_kv_tokens=ns.host_kv_tokens,
+        max_total_tokens=ns.max_total_tokens or (CPU_DEFAULT_TOKENS if device == "cpu" else d_tokens),
+        host_kv_tokens=ns.host_kv_tokens,
         chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
         max_running_requests=ns.max_running_requests, context_length=ns.context_length,
         attention_backend=ns.attention_backend, new_token_ratio=ns.new_token_ratio,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
 from engine.memory import pages_for
+from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
 from engine.request import Req
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -103,7 +103,7 @@ class HostKVPool:
     """Host copy of KV pages for retracted requests (pinned on CUDA for async copies)."""
 
     def __init__(self, num_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> None:
-        self.buffer = torch.zeros((max(num_pages, 1), *page_shape), dtype=dtype, pin_memory=pin)
+        self.buffer = torch.empty((max(num_pages, 1), *page_shape), dtype=dtype, pin_memory=pin)  # touched on use
         self.allocator = PageAllocator(max(num_pages, 1), reserved=0) if num_pages > 0 else None
 
     def can_hold(self, n: int) -> bool:

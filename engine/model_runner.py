@@ -17,8 +17,8 @@ from engine.attention.base import build_metadata, create_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.memory import HostKVPool, KVPool
 from engine.models.embedded import resolve_model_path
-from engine.models.loader import DTYPES, load_model
 from engine.models.llama import ForwardContext
+from engine.models.loader import DTYPES, load_model
 
 log = logging.getLogger(__name__)
 

@@ -134,9 +134,11 @@ class Scheduler:
             self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
 
     def reserved_pages(self) -> int:
+        """Pages kept back for the running requests' future tokens: new_token_ratio of what each may
+        still generate (0 reserves nothing: admit greedily and rely on retraction)."""
         ratio = self.cfg.new_token_ratio
-        tokens = sum(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))) for r in self.running)
-        return tokens // self.kv.page_size + len(self.running)
+        return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))), self.kv.page_size)
+                   for r in self.running)
 
     def _plan_extend(self) -> list[ExtendItem]:
         budget = self.cfg.max_prefill_tokens

@@ -1,3 +1,5 @@
-from pdserve.cli import main
 import sys
+
+from pdserve.cli import main
+
 sys.exit(main())

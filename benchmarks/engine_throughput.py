@@ -1,0 +1,124 @@
+"""Engine throughput against HF transformers in the same run: prefill tok/s and decode tok/s.
+
+    python benchmarks/engine_throughput.py [--model embedded:smollm2-135m] [--threads N] [--out FILE]
+
+Prefill: one prompt of --prompt-len tokens, time to its first token (best of --repeats).
+Decode at batch B: B distinct prompts of --decode-prompt-len tokens generating --decode-tokens tokens
+each (ignore_eos); decode time = time(generate N) - time(generate 1), so prefill is not counted;
+tok/s = B * (N - 1) / decode time. HF transformers `generate()` (greedy, same prompts, same dtype,
+device and thread count) is measured the same way, and the ratio engine/HF is printed and written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import LLM  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="embedded:smollm2-135m", help="HF model directory or the embedded model")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads for both engines (0: torch default)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prefill prompt length in tokens")
+    p.add_argument("--batches", default="1,16,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--decode-prompt-len", type=int, default=32, help="prompt length of each decode request")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per figure (best is kept)")
+    p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    p.add_argument("--out", default="engine_throughput.json", help="where the JSON goes")
+    return p.parse_args(argv)
+
+
+def best(fn, repeats: int) -> float:  # noqa: ANN001
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    threads = torch.get_num_threads()
+    batches = [int(b) for b in a.batches.split(",") if b.strip()]
+    max_b = max(batches)
+    tokens_needed = max_b * (a.decode_prompt_len + a.decode_tokens + 16) + a.prompt_len + 64
+    cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, threads=threads,
+                       max_total_tokens=max(tokens_needed, 4096), max_running_requests=max(max_b, 1),
+                       max_prefill_tokens=max(a.prompt_len, max_b * a.decode_prompt_len),
+                       chunked_prefill_size=a.prompt_len, attention_backend=a.attention_backend)
+    llm = LLM(cfg)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.runner.model_path), dtype=getattr(torch, a.dtype)).to(a.device)
+    hf.eval()
+    vocab = llm.runner.model_cfg.vocab_size
+    dev = torch.device(a.device)
+
+    def ours(ps: list[list[int]], n: int) -> None:
+        sp = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        out = llm.generate(ps, sp)
+        assert all(len(c.output_ids) == n for c in out), [c.error for c in out]
+
+    @torch.inference_mode()
+    def theirs(ps: list[list[int]], n: int) -> None:
+        ids = torch.tensor(ps, device=dev)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0)
+
+    results: dict = {"model": str(llm.runner.model_path), "device": a.device, "dtype": a.dtype, "threads": threads,
+                     "attention_backend": llm.runner.backend.name, "host": platform.node(),
+                     "torch": torch.__version__}
+    p = prompts(1, a.prompt_len, vocab, 1)
+    t_ours = best(lambda: ours(p, 1), a.repeats)
+    t_hf = best(lambda: theirs(p, 1), a.repeats)
+    results["prefill"] = {"prompt_len": a.prompt_len, "tok_s": a.prompt_len / t_ours, "hf_tok_s": a.prompt_len / t_hf,
+                          "ratio": t_hf / t_ours}
+    pf = results["prefill"]
+    print(f"prefill {a.prompt_len} tokens: {pf['tok_s']:.0f} tok/s  (HF {pf['hf_tok_s']:.0f} tok/s, "
+          f"ratio {pf['ratio']:.2f})", flush=True)
+    results["decode"] = []
+    n = a.decode_tokens
+    for b in batches:
+        ps = prompts(b, a.decode_prompt_len, vocab, 100 + b)
+        d_ours = best(lambda ps=ps: ours(ps, n), a.repeats) - best(lambda ps=ps: ours(ps, 1), a.repeats)
+        d_hf = best(lambda ps=ps: theirs(ps, n), a.repeats) - best(lambda ps=ps: theirs(ps, 1), a.repeats)
+        toks = b * (n - 1)
+        row = {"batch": b, "tok_s": toks / d_ours, "hf_tok_s": toks / d_hf, "ratio": d_hf / d_ours,
+               "step_ms": 1000 * d_ours / (n - 1), "hf_step_ms": 1000 * d_hf / (n - 1)}
+        results["decode"].append(row)
+        print(f"decode batch {b:>3}: {row['tok_s']:.0f} tok/s  (HF {row['hf_tok_s']:.0f} tok/s, "
+              f"ratio {row['ratio']:.2f}; step {row['step_ms']:.1f} ms vs {row['hf_step_ms']:.1f} ms)", flush=True)
+    Path(a.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Decode worker: reserve pages, receive a prompt's KV from its prefill, then decode with the rest.
+
+Queues of one request:
+  prealloc   waiting for KV pages for its prompt; admitted in arrival order when the free pages
+             cover the prompt plus the reservation (new_token_ratio of max_new_tokens) of every
+             request already admitted; retracted requests are reloaded before anything new
+  transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout)
+  running    the prefill's first token is committed; one token per decode step; when pages run out
+             the newest running requests are retracted to the host pool and later reloaded
+             (engine.scheduler.Scheduler does the running part, as in colocated mode)
+
+Finish, abort or failure frees every page and host copy the request holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from engine import messages as m
+from engine.config import ServerConfig
+from engine.memory import pages_for
+from engine.pd_common import TransferStats, bootstrap_error, make_transfer_manager, transfer_error
+from engine.request import FinishReason, Req
+from engine.scheduler import Scheduler, validate_prompt
+from engine.worker import WorkerIO, error_out, req_from_msg, run_loop, setup_logging, token_out
+from transfer import KVPoll, KVReceiver, TransferError
+
+log = logging.getLogger("pdserve.decode")
+
+
+class DecodeRole:
+    def __init__(self, cfg: ServerConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from engine.model_runner import ModelRunner
+
+        self.cfg = cfg.engine
+        self.runner = ModelRunner(cfg.engine)
+        tok = AutoTokenizer.from_pretrained(str(self.runner.model_path))
+        self.sched = Scheduler(self.runner, cfg.engine,
+                               decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=False))
+        self.kv = self.sched.kv
+        self.mgr = make_transfer_manager(cfg, self.runner, "decode")
+        self.page_bytes = self.runner.pool.page_bytes
+        self.prealloc: deque[Req] = deque()
+        self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
+        self.outbox: list[Req] = []
+        self.tstats = TransferStats()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
+        try:
+            req = req_from_msg(msg)
+        except ValueError as e:
+            return [error_out(msg.rid, str(e), 400)]
+        err = bootstrap_error(req, "decode") or validate_prompt(
+            req, self.runner.context_length, self.kv.pool.allocator.capacity, self.kv.page_size)
+        if err:
+            return [error_out(msg.rid, err, 400)]
+        if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
+            return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
+        self.prealloc.append(req)
+        return []
+
+    def abort(self, msg: m.AbortReq) -> None:
+        def hit(r: Req) -> bool:
+            return msg.abort_all or (bool(msg.rid) and r.rid == msg.rid) or (
+                msg.room is not None and r.bootstrap_room == msg.room)
+
+        reason = msg.reason or "aborted"
+        for r in [r for r in self.prealloc if hit(r)]:
+            self.prealloc.remove(r)
+            self._report(r, FinishReason.ABORT, reason, 499)
+        for room, (r, rx, _) in list(self.transfer.items()):
+            if hit(r):
+                rx.abort(reason)
+                self._drop_transfer(room)
+                self._report(r, FinishReason.ABORT, reason, 499)
+        self.sched.abort(msg.rid, msg.room, msg.abort_all, reason)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.sched.has_work() or bool(self.sched.outbox) or bool(self.outbox)
+
+    def wait(self, io: WorkerIO) -> None:
+        self.mgr.idle_wait(1.0, extra=(io.pull,))
+
+    def step(self) -> list[m.TokenOut]:
+        self.mgr.progress()
+        self._poll_transfers()
+        self._admit()
+        done = self.sched.step() if self.sched.has_work() else []
+        out = self.outbox + self.sched.outbox + done
+        self.outbox, self.sched.outbox = [], []
+        self.mgr.progress()
+        return [token_out(r) for r in self.sched._dedup(out)]
+
+    def _reserved_pages(self) -> int:
+        ratio = self.cfg.new_token_ratio
+        pending = sum(pages_for(int(ratio * r.sampling.max_new_tokens), self.kv.page_size)
+                      for r, _, _ in self.transfer.values())
+        return self.sched.reserved_pages() + pending
+
+    def _admit(self) -> None:
+        while self.prealloc:
+            if self.sched.waiting:  # retracted requests come back first
+                return
+            if len(self.sched.running) + len(self.transfer) >= self.cfg.max_running_requests:
+                return
+            r = self.prealloc[0]
+            need = pages_for(len(r.input_ids), self.kv.page_size)
+            own = pages_for(int(self.cfg.new_token_ratio * r.sampling.max_new_tokens), self.kv.page_size)
+            free = self.kv.free_pages
+            busy = bool(self.sched.running or self.transfer)
+            if need > free or (busy and need + own > free - self._reserved_pages()):
+                return  # wait for memory
+            self.prealloc.popleft()
+            r.pages = self.kv.pool.allocator.allocate(need)
+            addr = f"{r.bootstrap_host}:{r.bootstrap_port}"
+            try:
+                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages)
+            except (TransferError, ValueError) as e:
+                code = int(e.code) if isinstance(e, TransferError) else 400
+                self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
+                continue
+            self.transfer[r.bootstrap_room] = (r, rx, time.monotonic())
+
+    def _poll_transfers(self) -> None:
+        for room, (r, rx, t0) in list(self.transfer.items()):
+            st = rx.poll()
+            if st == KVPoll.SUCCESS:
+                meta = rx.metadata or {}
+                self._drop_transfer(room, keep_pages=True)
+                self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - t0)
+                self._commit(r, meta)
+            elif st == KVPoll.FAILED:
+                self.tstats.failed += 1
+                message, code = transfer_error(rx.error)
+                log.warning("rid=%s room=%d: %s", r.rid, room, message)
+                self._drop_transfer(room)
+                self._report(r, FinishReason.ERROR, message, code)
+
+    def _commit(self, r: Req, meta: dict) -> None:
+        """The prompt's KV is in place: take the prefill's first token and join the decode batch."""
+        if "first_token" not in meta:
+            self._report(r, FinishReason.ERROR, "the prefill sent no first token", 500)
+            return
+        r.kv_len = len(r.input_ids)
+        r.cached_tokens = int(meta.get("cached_tokens", 0))
+        r.output_ids.append(int(meta["first_token"]))
+        if r.return_logprob:
+            r.output_logprobs.append(float(meta.get("first_logprob", 0.0)))
+        self.sched.exec.stops.check(r)
+        if r.finished:
+            self.sched._finish(r, r.finish_reason)  # type: ignore[arg-type]
+        else:
+            self.sched.running.append(r)
+            self.sched.outbox.append(r)
+
+    def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
+        r, rx, _ = self.transfer.pop(room)
+        rx.release()
+        if not keep_pages:
+            self.kv.release(r)
+
+    def _report(self, r: Req, reason: FinishReason, error: str | None, code: int) -> None:
+        r.finish(reason, error, code)
+        self.kv.release(r)
+        self.outbox.append(r)
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.sched.stats()
+        s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
+        return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
+
+    def close(self) -> None:
+        for _, rx, _ in self.transfer.values():
+            rx.abort("decode worker shutting down")
+        self.mgr.close()
+
+
+def run_decode_worker(cfg: ServerConfig, ipc_dir: str) -> None:
+    setup_logging(cfg)
+    role = DecodeRole(cfg)
+    info = {"role": "decode", **role.runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
+    run_loop(cfg, ipc_dir, role, info)

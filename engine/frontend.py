@@ -1,0 +1,320 @@
+"""The HTTP side of every service (prefill, decode, colocated): one FastAPI app.
+
+Request path:
+  1. (internal token check) -> JSON body -> `engine.protocol.parse_*` (400 on any bad field)
+  2. GenerateReq -> worker over zmq (`engine.launch.WorkerBridge`); the rid's queue collects TokenOuts
+  3. TokenOuts -> `engine.responses.RequestTracker` (incremental detokenizer, stop trimming)
+  4. one JSON body, or SSE chunks then `data: [DONE]`; a client that goes away gets its rid aborted
+  5. one log line per request: rid, room, tokens, ttft, e2e; TTFT/ITL/e2e histograms
+
+GET /health /server_info (/get_server_info) /model_info (/get_model_info) /v1/models /metrics;
+POST /generate /v1/completions /v1/chat/completions /abort_request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import ServerConfig
+from engine.messages import AbortReq
+from engine.metrics import CONTENT_TYPE, FrontendMetrics, render_worker_info
+from engine.protocol import (
+    Limits,
+    ParsedRequest,
+    RequestError,
+    error_body,
+    parse_abort,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_body,
+)
+from engine.responses import DONE, RequestTracker, final_body, sse, stream_chunks
+
+log = logging.getLogger("pdserve.frontend")
+
+MAX_BODY_BYTES = 32 << 20
+TOKEN_HEADER = b"x-pdserve-token"
+OPEN_PATHS = ("/health", "/metrics")  # probes and Prometheus scrapes carry no token
+
+
+@dataclass
+class FrontendState:
+    config: ServerConfig
+    bridge: Any  # engine.launch.WorkerBridge (or a test double with the same methods)
+    tokenizer: Any  # engine.tokenizer.Tokenizer
+    model_dir: str
+    worker_pid: int = 0
+    draining: bool = False
+    in_flight: int = 0
+    metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
+    started: float = field(default_factory=time.time)
+
+    def served_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        return self.bridge.info.get("served_model_name") or Path(self.config.engine.model).name or "model"
+
+    def limits(self) -> Limits:
+        info = self.bridge.info
+        ctx = int(info.get("context_length") or self.config.engine.context_length or 0)
+        if not ctx:
+            ctx = int(json.loads((Path(self.model_dir) / "config.json").read_text())
+                      .get("max_position_embeddings", 4096))
+        vocab = int(info.get("vocab_size") or self.tokenizer.vocab_size)
+        return Limits(role=self.config.role, context_length=ctx, vocab_size=vocab,
+                      model_name=self.served_name())
+
+
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+class TokenAuth:
+    """ASGI middleware: every path but /health needs header x-pdserve-token (when one is configured)."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app, self.token = app, token.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(TOKEN_HEADER, b"")
+            if not hmac.compare_digest(given, self.token):
+                await _error("missing or wrong x-pdserve-token header", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _log_finish(tr: RequestTracker, status: int, endpoint: str, state: FrontendState) -> None:
+    e2e = tr.e2e()
+    ttft = tr.ttft()
+    m = state.metrics
+    m.requests.inc(endpoint=endpoint, status=str(status))
+    m.prompt_tokens.inc(tr.prompt_tokens)
+    m.generation_tokens.inc(len(tr.output_ids))
+    if ttft is not None:
+        m.ttft.observe(ttft)
+    for itl in tr.itls:
+        m.itl.observe(itl)
+    m.e2e.observe(e2e)
+    log.info("finished rid=%s room=%s status=%d finish=%s prompt_tokens=%d completion_tokens=%d "
+             "cached_tokens=%d ttft=%s e2e=%.3f", tr.rid, tr.parsed.req.bootstrap_room, status,
+             tr.finish_reason, tr.prompt_tokens, len(tr.output_ids), tr.cached_tokens,
+             "-" if ttft is None else f"{ttft:.3f}", e2e)
+
+
+async def _next_out(queue: asyncio.Queue, request: Request | None) -> Any:
+    """Next TokenOut; for non-streamed requests, None once the client has gone away."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), 1.0)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                return None
+
+
+async def _collect(state: FrontendState, tr: RequestTracker, queue: asyncio.Queue,
+                   request: Request, endpoint: str) -> Response:
+    try:
+        while not tr.finished:
+            out = await _next_out(queue, request)
+            if out is None:
+                state.bridge.send_soon(AbortReq(rid=tr.rid, reason="client disconnected"))
+                _log_finish(tr, 499, endpoint, state)
+                return _error("client disconnected", 499)
+            tr.consume(out)
+    finally:
+        _release(state, tr)
+    if tr.failed:
+        _log_finish(tr, tr.error_status(), endpoint, state)
+        return _error(tr.error_message(), tr.error_status())
+    _log_finish(tr, 200, endpoint, state)
+    return JSONResponse(final_body(tr))
+
+
+async def _stream(state: FrontendState, tr: RequestTracker, queue: asyncio.Queue,
+                  endpoint: str) -> AsyncIterator[bytes]:
+    status = 200
+    first = True
+    try:
+        while not tr.finished:
+            out = await _next_out(queue, None)
+            delta = tr.consume(out)
+            if tr.failed:
+                status = tr.error_status()
+                yield sse(error_body(tr.error_message(), status))
+                break
+            for chunk in stream_chunks(tr, delta, first):
+                yield chunk
+            first = False
+        yield DONE
+    finally:
+        _end_stream(state, tr, endpoint, status)
+
+
+def _release(state: FrontendState, tr: RequestTracker) -> bool:
+    """Drop the request's queue and in-flight count once; False if already released."""
+    if tr.released:
+        return False
+    tr.released = True
+    state.bridge.close(tr.rid)
+    state.in_flight -= 1
+    return True
+
+
+def _end_stream(state: FrontendState, tr: RequestTracker, endpoint: str, status: int) -> None:
+    if not _release(state, tr):
+        return
+    if not tr.finished:  # the client went away (the generator was cancelled, closed or never started)
+        state.bridge.send_soon(AbortReq(rid=tr.rid, reason="client disconnected"))
+        status = 499
+    _log_finish(tr, status, endpoint, state)
+
+
+class _SSEResponse(StreamingResponse):
+    """Ends the request even when the client leaves before the body generator first runs."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_end: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
+
+
+Parser = Callable[[dict[str, Any], Any, Limits], ParsedRequest]
+
+
+async def _generate(state: FrontendState, request: Request, parse: Parser, endpoint: str) -> Response:
+    t0 = time.perf_counter()
+    if state.draining:
+        return _error("the service is shutting down", 503)
+    if not state.bridge.alive:
+        return _error(f"the worker is not running: {state.bridge.dead_reason}", 503)
+    if not state.bridge.ready.is_set():
+        return _error("the worker is still loading the model", 503)
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        return _error(f"request body over {MAX_BODY_BYTES} bytes", 413)
+    try:
+        parsed = parse(parse_json_body(raw), state.tokenizer, state.limits())
+        queue = state.bridge.open(parsed.req.rid)
+    except RequestError as e:
+        state.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
+        return _error(e.message, e.status)
+    except KeyError:
+        state.metrics.requests.inc(endpoint=endpoint, status="400")
+        return _error("a request with this rid is already running", 400)
+    state.in_flight += 1
+    tr = RequestTracker(parsed, state.tokenizer, t0)
+    try:
+        await state.bridge.send(parsed.req)
+    except BaseException:
+        _release(state, tr)
+        raise
+    if parsed.req.stream:
+        return _SSEResponse(_stream(state, tr, queue, endpoint),
+                            lambda: _end_stream(state, tr, endpoint, 499))
+    return await _collect(state, tr, queue, request, endpoint)
+
+
+def _info_routes(app: FastAPI, state: FrontendState) -> None:
+    def health() -> JSONResponse:
+        b = state.bridge
+        if not b.alive:
+            return JSONResponse({"status": "worker dead", "reason": b.dead_reason}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not b.ready.is_set():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok", "role": state.config.role})
+
+    async def server_info() -> JSONResponse:
+        stats = await state.bridge.stats(timeout=2.0)
+        lim = state.limits()
+        return JSONResponse({
+            **state.bridge.info, "role": state.config.role, "served_model_name": state.served_name(),
+            "model_path": state.model_dir, "context_length": lim.context_length,
+            "worker_pid": state.worker_pid, "worker_alive": state.bridge.alive,
+            "ready": state.bridge.ready.is_set(), "draining": state.draining, "in_flight": state.in_flight,
+            "uptime_s": round(time.time() - state.started, 3), "internal_states": [stats] if stats else [],
+        })
+
+    def model_info() -> JSONResponse:
+        return JSONResponse({"model_path": state.model_dir, "tokenizer_path": state.tokenizer.path,
+                             "served_model_name": state.served_name(), "is_generation": True,
+                             "context_length": state.limits().context_length})
+
+    def models() -> JSONResponse:
+        card = {"id": state.served_name(), "object": "model", "created": int(state.started),
+                "owned_by": "pdserve", "root": state.model_dir,
+                "max_model_len": state.limits().context_length}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics() -> Response:
+        lines = state.metrics.render(state.in_flight, state.bridge.usable, state.draining)
+        stats = await state.bridge.stats(timeout=1.0)
+        if stats:
+            lines += render_worker_info(stats)
+        return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
+
+    app.get("/health")(health)
+    for path, fn in (("/server_info", server_info), ("/get_server_info", server_info),
+                     ("/model_info", model_info), ("/get_model_info", model_info),
+                     ("/v1/models", models), ("/metrics", metrics)):
+        app.get(path)(fn)
+
+
+def create_app(state: FrontendState) -> Any:
+    """The FastAPI app of one service (wrapped in the token middleware when a token is set)."""
+    app = FastAPI(title=f"pdserve {state.config.role}", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.message, exc.status)
+
+    async def generate(request: Request) -> Response:
+        return await _generate(state, request, parse_generate, "generate")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, parse_completion, "completions")
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, parse_chat, "chat")
+
+    async def abort_request(request: Request) -> Response:
+        if not state.bridge.usable:
+            return _error("the worker is not running", 503)
+        req = parse_abort(parse_json_body(await request.body()))
+        await state.bridge.send(req)
+        log.info("abort rid=%s room=%s all=%s", req.rid or None, req.room, req.abort_all)
+        return JSONResponse({"success": True})
+
+    app.post("/generate")(generate)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat)
+    app.post("/abort_request")(abort_request)
+    _info_routes(app, state)
+    if state.config.internal_token:
+        return TokenAuth(app, state.config.internal_token)
+    return app

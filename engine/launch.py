@@ -1,0 +1,287 @@
+"""Process plumbing of one service: worker process, zmq bridge, uvicorn, graceful drain.
+
+    serve(config, worker_entry)
+      1. resolve the model directory (converting the embedded model once), make the ipc dir
+      2. spawn the worker: worker_entry(config, ipc_dir) in a `spawn` child process
+      3. load the tokenizer while the worker loads the model
+      4. bind the frontend's zmq PULL, run uvicorn; /health is 503 until the worker's ready
+         StatsOut(token=-1) arrives, 503 again if the worker dies (pending requests get 503)
+      5. SIGTERM/SIGINT: drain (health 503, new requests 503, in-flight ones finish within the
+         grace period), stop uvicorn, stop the worker, exit 0
+
+zmq layout: the worker binds PULL `ipc://{ipc_dir}/worker.sock`, the frontend binds PULL
+`ipc://{ipc_dir}/frontend.sock`, each connects a PUSH to the other's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import itertools
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from engine.config import ServerConfig
+from engine.messages import AbortReq, GenerateReq, StatsOut, StatsReq, TokenBatch, TokenOut, decode, encode
+
+log = logging.getLogger("pdserve.launch")
+
+WorkerEntry = Callable[[ServerConfig, str], None]
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+class WorkerBridge:
+    """The frontend's side of the zmq link: per-request queues of TokenOut, stats round trips."""
+
+    def __init__(self, ipc_dir: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{ipc_dir}/frontend.sock")
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(f"ipc://{ipc_dir}/worker.sock")
+        self.streams: dict[str, asyncio.Queue[TokenOut]] = {}
+        self.stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.tokens = itertools.count(1)
+        self.ready = asyncio.Event()
+        self.info: dict[str, Any] = {}
+        self.alive = True
+        self.dead_reason = ""
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and self.ready.is_set()
+
+    async def run(self) -> None:
+        """Reader loop: route TokenOuts to their request queues, StatsOuts to their waiters."""
+        while True:
+            data = await self.pull.recv()
+            try:
+                msg = decode(data)
+            except (ValueError, TypeError) as e:
+                log.error("dropping a bad message from the worker: %s", e)
+                continue
+            if isinstance(msg, TokenBatch):
+                for out in msg.outs:
+                    q = self.streams.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, StatsOut):
+                if msg.token == -1:
+                    self.info = dict(msg.info)
+                    self.ready.set()
+                    log.info("worker ready: %s", {k: self.info.get(k) for k in ("model_path", "role")})
+                else:
+                    fut = self.stats_waiters.pop(msg.token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(dict(msg.info))
+
+    def open(self, rid: str) -> asyncio.Queue[TokenOut]:
+        if rid in self.streams:
+            raise KeyError(rid)
+        q: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self.streams[rid] = q
+        return q
+
+    def close(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+
+    async def send(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
+        await self.push.send(encode(msg))
+
+    def send_soon(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
+        """Fire-and-forget send (from finally blocks of cancelled streams)."""
+        task = asyncio.get_running_loop().create_task(self.send(msg))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """Ask the worker for its counters; None when it does not answer in time."""
+        if not self.usable:
+            return None
+        token = next(self.tokens)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.stats_waiters[token] = fut
+        try:
+            await self.send(StatsReq(token=token))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            log.warning("worker did not answer a stats request within %.1fs", timeout)
+            return None
+        finally:
+            self.stats_waiters.pop(token, None)
+
+    def fail_all(self, reason: str) -> None:
+        """The worker is gone: every pending request ends with a 503."""
+        self.alive = False
+        self.dead_reason = reason
+        for rid, q in list(self.streams.items()):
+            q.put_nowait(TokenOut(rid=rid, new_token_ids=[], finished=True, finish_reason="error",
+                                  error=reason, error_code=503))
+
+    def shutdown(self) -> None:
+        self.pull.close(0)
+        self.push.close(0)
+        self.ctx.term()
+
+
+@contextlib.contextmanager
+def _ipc_dir(config: ServerConfig) -> Iterator[str]:
+    if config.ipc_dir:
+        yield config.ipc_dir
+        return
+    path = tempfile.mkdtemp(prefix="pdserve-ipc-")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop_worker(proc: mp.process.BaseProcess, timeout: float = 10.0) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout)
+    if proc.is_alive():
+        log.warning("worker pid %s ignored SIGTERM for %.0fs; killing it", proc.pid, timeout)
+        proc.kill()
+        proc.join(5)
+
+
+def serve(config: ServerConfig, worker_entry: WorkerEntry,
+          drain_grace_s: float = DEFAULT_DRAIN_GRACE_S) -> int:
+    """Run a service (frontend in this process, worker in a child) until SIGTERM; returns the exit code."""
+    from engine.models.embedded import resolve_model_path
+    from engine.tokenizer import load_tokenizer
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_dir = resolve_model_path(config.engine.model)
+    except (ValueError, FileNotFoundError) as e:
+        log.error("%s", e)
+        return 2
+    with _ipc_dir(config) as ipc_dir:
+        proc = mp.get_context("spawn").Process(target=worker_entry, args=(config, ipc_dir),
+                                               name=f"pdserve-{config.role}-worker")
+        proc.start()
+        log.info("%s worker started: pid %s, ipc %s", config.role, proc.pid, ipc_dir)
+        try:
+            tokenizer = load_tokenizer(model_dir)
+            return asyncio.run(_serve_async(config, proc, ipc_dir, tokenizer, str(model_dir), drain_grace_s))
+        finally:
+            _stop_worker(proc)
+            log.info("%s service stopped", config.role)
+
+
+async def _watch_worker(proc: mp.process.BaseProcess, bridge: WorkerBridge,
+                        on_dead: Callable[[], None]) -> None:
+    while proc.is_alive():
+        await asyncio.sleep(0.2)
+    reason = f"worker process exited (code {proc.exitcode})"
+    log.error("%s; failing pending requests with 503", reason)
+    bridge.fail_all(reason)
+    on_dead()
+
+
+async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, ipc_dir: str, tokenizer: Any,
+                       model_dir: str, drain_grace_s: float) -> int:
+    from engine.frontend import FrontendState, create_app
+
+    bridge = WorkerBridge(ipc_dir)
+    state = FrontendState(config=config, bridge=bridge, tokenizer=tokenizer, model_dir=model_dir,
+                          worker_pid=proc.pid or 0)
+    app = create_app(state)
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+    exit_code = 0
+
+    def worker_dead() -> None:
+        nonlocal exit_code
+        if not bridge.ready.is_set() and not state.draining:
+            log.error("the worker died before it was ready; exiting")
+            exit_code = 1
+            server.should_exit = True
+
+    drain_task: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if drain_task:
+            log.warning("second %s: stopping now", sig.name)
+            server.should_exit = True
+            return
+        log.info("%s: draining (grace %.0fs)", sig.name, drain_grace_s)
+        drain_task.append(asyncio.get_running_loop().create_task(_drain(state, server, drain_grace_s)))
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    tasks = [loop.create_task(bridge.run()), loop.create_task(_watch_worker(proc, bridge, worker_dead))]
+    try:
+        await server.serve()
+        if not server.started:
+            log.error("HTTP server failed to start on %s:%s", config.host, config.port)
+            exit_code = exit_code or 1
+    finally:
+        for t in tasks + drain_task:
+            t.cancel()
+        bridge.shutdown()
+    return exit_code
+
+
+async def _drain(state: Any, server: Any, grace_s: float) -> None:
+    state.draining = True
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while state.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.in_flight:
+        log.warning("grace period over with %d requests in flight; aborting them", state.in_flight)
+        await state.bridge.send(AbortReq(abort_all=True, reason="server shutting down"))
+        await asyncio.sleep(0.2)
+    server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM starts our drain instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _import_entry(spec: str) -> WorkerEntry:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def run_main(role: str, worker_entry: str, argv: list[str] | None, description: str | None) -> int:
+    """The `main` of `pdserve colocated|prefill|decode`: flags -> ServerConfig -> serve().
+
+    `worker_entry` is "module:function", imported only after the flags parsed.
+    """
+    from engine.config import add_server_args, server_config_from_args
+
+    p = argparse.ArgumentParser(prog=f"pdserve {role}", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_server_args(p, role)
+    p.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    ns = p.parse_args(argv)
+    if ns.drain_grace < 0:
+        p.error("--drain-grace must be >= 0")
+    try:
+        config = server_config_from_args(ns, role)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    return serve(config, _import_entry(worker_entry), drain_grace_s=ns.drain_grace)

@@ -1,0 +1,82 @@
+"""Pieces the prefill and decode workers share: the transfer manager of a worker, the KV
+compatibility record, bootstrap-field checks and the worker-side transfer metrics.
+
+Services never import each other; both import this.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from engine.config import ServerConfig
+from engine.model_runner import ModelRunner
+from engine.request import Req
+from transfer import CompatInfo, TransferConfig, TransferError, TransferManager
+
+KV_LAYOUT = "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
+TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def compat_info(runner: ModelRunner) -> CompatInfo:
+    mc = runner.model_cfg
+    return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
+                      dtype=runner.cfg.dtype, page_size=runner.page_size, kv_layout=KV_LAYOUT,
+                      num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+
+
+def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> TransferManager:
+    pd = cfg.pd
+    tc = TransferConfig(
+        role=role, advertise_host=pd.advertise_host or "127.0.0.1", bootstrap_port=pd.bootstrap_port,
+        backend=pd.transfer_backend, bootstrap_timeout_s=pd.bootstrap_timeout_s,
+        waiting_timeout_s=pd.waiting_timeout_s, heartbeat_interval_s=pd.heartbeat_interval_s,
+        cluster_token=pd.cluster_token,
+    )
+    return TransferManager(tc, runner.pool.buffer, compat_info(runner))
+
+
+def bootstrap_error(req: Req, role: str) -> str | None:
+    """A message when the request lacks what a PD worker needs to find its peer."""
+    if req.bootstrap_room is None or not 0 <= req.bootstrap_room < 2**63:
+        return f"{role} requests need bootstrap_room, an integer in [0, 2^63)"
+    if role == "decode":
+        if not req.bootstrap_host:
+            return "decode requests need bootstrap_host (the prefill's advertised address)"
+        if req.bootstrap_port is None or not 0 < req.bootstrap_port < 65536:
+            return "decode requests need bootstrap_port in 1..65535"
+    return None
+
+
+def transfer_error(err: TransferError | None) -> tuple[str, int]:
+    if err is None:
+        return "KV transfer failed", 500
+    return f"KV transfer failed: {err.message}", int(err.code)
+
+
+class TransferStats:
+    """Bytes, rooms and latency of this worker's KV transfers, shaped for StatsOut.info."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.succeeded = 0
+        self.failed = 0
+        self.counts = [0] * len(TRANSFER_BUCKETS)
+        self.sum = 0.0
+        self.count = 0
+
+    def success(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.succeeded += 1
+        self.count += 1
+        self.sum += seconds
+        i = bisect.bisect_left(TRANSFER_BUCKETS, seconds)
+        for j in range(i, len(self.counts)):
+            self.counts[j] += 1
+
+    def info(self) -> dict:
+        return {
+            "transfer_bytes_total": self.bytes,
+            "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},
+            "histograms": {"transfer_seconds": {"le": list(TRANSFER_BUCKETS), "counts": list(self.counts),
+                                                "sum": self.sum, "count": self.count}},
+        }

@@ -1,0 +1,215 @@
+"""Response bodies: one `RequestTracker` per request collects the worker's TokenOuts, and the
+builders below turn it into native (/generate) or OpenAI (completions, chat) JSON and SSE chunks.
+
+Streaming conventions:
+  /generate              each chunk carries the cumulative `text` and `output_ids` (SGLang style)
+  /v1/completions, chat  each chunk carries only the new text (OpenAI deltas)
+Every stream ends with `data: [DONE]`; an error mid-stream is `data: {"error": {...}}` first.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from engine.messages import TokenOut
+from engine.protocol import ParsedRequest
+from engine.tokenizer import TextStream, Tokenizer
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class RequestTracker:
+    """State of one request in the frontend: text so far, ids, logprobs, timings, finish."""
+
+    def __init__(self, parsed: ParsedRequest, tok: Tokenizer, t_arrival: float) -> None:
+        self.parsed = parsed
+        self.tok = tok
+        self.text = TextStream(tok, parsed.stop, parsed.skip_special_tokens)
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.input_logprobs: list[float] = []
+        self.pending_lp: list[tuple[int, float]] = []  # (id, logprob) not yet sent in a chunk
+        self.t_arrival = t_arrival
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.itls: list[float] = []
+        self.finished = False
+        self.released = False  # the frontend has dropped its queue and in-flight count
+        self.finish_reason: str | None = None
+        self.matched_stop: str | int | None = None
+        self.error: str | None = None
+        self.error_code = 0
+        self.prompt_tokens = len(parsed.req.input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    @property
+    def rid(self) -> str:
+        return self.parsed.req.rid
+
+    def consume(self, out: TokenOut) -> str:
+        """Apply one TokenOut; returns the new text that is safe to show."""
+        now = time.perf_counter()
+        if out.new_token_ids:
+            if self.t_first is None:
+                self.t_first = now
+            elif self.t_last is not None:
+                self.itls.append((now - self.t_last) / len(out.new_token_ids))
+            self.t_last = now
+        self.output_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.pending_lp += list(zip(out.new_token_ids, out.new_logprobs))
+        if out.input_logprobs:
+            self.input_logprobs = list(out.input_logprobs)
+        delta = self.text.push(out.new_token_ids)
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason or "stop"
+            self.matched_stop = out.matched_stop
+            self.error, self.error_code = out.error, out.error_code
+            self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+            self.completion_tokens = out.completion_tokens or len(self.output_ids)
+            self.cached_tokens = out.cached_tokens
+            delta += self.text.finish(out.matched_stop)
+        return delta
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason in ("error", "abort")
+
+    def error_status(self) -> int:
+        if self.error_code >= 400:
+            return self.error_code
+        return 499 if self.finish_reason == "abort" else 500
+
+    def error_message(self) -> str:
+        return self.error or ("request aborted" if self.finish_reason == "abort" else "generation failed")
+
+    def ttft(self) -> float | None:
+        return None if self.t_first is None else self.t_first - self.t_arrival
+
+    def e2e(self) -> float:
+        return time.perf_counter() - self.t_arrival
+
+    def usage(self) -> dict[str, Any]:
+        n = self.completion_tokens or len(self.output_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
+                "total_tokens": self.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def take_logprobs(self) -> list[tuple[int, float]]:
+        lp, self.pending_lp = self.pending_lp, []
+        return lp
+
+
+def _finish_obj(tr: RequestTracker) -> dict[str, Any] | None:
+    if not tr.finished:
+        return None
+    if tr.finish_reason == "length":
+        return {"type": "length", "length": len(tr.output_ids)}
+    return {"type": tr.finish_reason, "matched": tr.matched_stop}
+
+
+def native_body(tr: RequestTracker) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": tr.rid, "finish_reason": _finish_obj(tr), "prompt_tokens": tr.prompt_tokens,
+        "completion_tokens": tr.completion_tokens if tr.finished else len(tr.output_ids),
+        "cached_tokens": tr.cached_tokens, "e2e_latency": round(tr.e2e(), 6),
+    }
+    if tr.parsed.req.bootstrap_room is not None:
+        meta["bootstrap_room"] = tr.parsed.req.bootstrap_room
+    if tr.parsed.logprobs:
+        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(tr.output_ids, tr.logprobs)]
+        ids = tr.parsed.req.input_ids
+        # the first prompt token has no logprob
+        inp = [[None, ids[0], None]] + [[lp, t, None] for t, lp in zip(ids[1:], tr.input_logprobs)]
+        meta["input_token_logprobs"] = inp if tr.input_logprobs else []
+    return {"text": tr.text.text, "output_ids": list(tr.output_ids), "meta_info": meta}
+
+
+def _openai_finish(tr: RequestTracker) -> str | None:
+    if not tr.finished:
+        return None
+    return "length" if tr.finish_reason == "length" else "stop"
+
+
+def _completion_logprobs(tr: RequestTracker, pairs: list[tuple[int, float]]) -> dict[str, Any]:
+    tokens = [tr.tok.id_to_token(t) for t, _ in pairs]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs],
+            "top_logprobs": [{tok: lp} for tok, (_, lp) in zip(tokens, pairs)], "text_offset": None}
+
+
+def _chat_logprobs(tr: RequestTracker, pairs: list[tuple[int, float]]) -> dict[str, Any]:
+    content = []
+    for t, lp in pairs:
+        piece = tr.tok.decode([t], skip_special_tokens=False)
+        content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+    return {"content": content}
+
+
+def _head(tr: RequestTracker, obj: str) -> dict[str, Any]:
+    prefix = "chatcmpl-" if tr.parsed.kind == "chat" else "cmpl-"
+    return {"id": prefix + tr.rid, "object": obj, "created": tr.parsed.created, "model": tr.parsed.model}
+
+
+def openai_body(tr: RequestTracker) -> dict[str, Any]:
+    pairs = list(zip(tr.output_ids, tr.logprobs))
+    if tr.parsed.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": tr.text.text},
+                                  "logprobs": _chat_logprobs(tr, pairs) if tr.parsed.logprobs else None,
+                                  "finish_reason": _openai_finish(tr)}
+        body = _head(tr, "chat.completion")
+    else:
+        choice = {"index": 0, "text": tr.text.text,
+                  "logprobs": _completion_logprobs(tr, pairs) if tr.parsed.logprobs else None,
+                  "finish_reason": _openai_finish(tr)}
+        body = _head(tr, "text_completion")
+    body["choices"] = [choice]
+    body["usage"] = tr.usage()
+    return body
+
+
+def final_body(tr: RequestTracker) -> dict[str, Any]:
+    return native_body(tr) if tr.parsed.kind == "generate" else openai_body(tr)
+
+
+def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
+    """SSE events for one step of a streamed request (maybe none)."""
+    kind = tr.parsed.kind
+    if kind == "generate":
+        if not delta and not tr.finished and not (tr.parsed.logprobs and tr.pending_lp):
+            return []
+        tr.take_logprobs()
+        return [sse(native_body(tr))]
+    out: list[bytes] = []
+    if kind == "chat" and first:
+        head = _head(tr, "chat.completion.chunk")
+        head["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}]
+        out.append(sse(head))
+    if not delta and not tr.finished:
+        return out
+    pairs = tr.take_logprobs() if tr.parsed.logprobs else []
+    if kind == "chat":
+        body = _head(tr, "chat.completion.chunk")
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {},
+                                  "logprobs": _chat_logprobs(tr, pairs) if pairs else None}
+    else:
+        body = _head(tr, "text_completion")
+        choice = {"index": 0, "text": delta,
+                  "logprobs": _completion_logprobs(tr, pairs) if pairs else None}
+    choice["finish_reason"] = _openai_finish(tr)
+    body["choices"] = [choice]
+    out.append(sse(body))
+    if tr.finished and tr.parsed.include_usage:
+        usage = _head(tr, "chat.completion.chunk" if kind == "chat" else "text_completion")
+        usage["choices"] = []
+        usage["usage"] = tr.usage()
+        out.append(sse(usage))
+    return out

@@ -1,0 +1,216 @@
+"""Prefill worker: compute each prompt's KV chunk by chunk and stream it to the room's decode.
+
+Queues of one request (a room):
+  bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies)
+  waiting    the decode is ready; prompt chunks run in extend batches under the token budget, and
+             after each chunk the pages it completed are sent; the last chunk sends the remaining
+             pages plus metadata (first token, its logprob, room)
+  inflight   everything queued for sending; waiting for the decode's SUCCESS ack
+  done       pages freed, the request reported finished with its first token (and input logprobs)
+
+A room that fails anywhere (timeout, abort, peer lost, incompatible KV) frees its pages at once and
+reports the transfer error's code and message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine import messages as m
+from engine.batch import ExtendItem
+from engine.config import ServerConfig
+from engine.kv_manager import KVManager
+from engine.pd_common import TransferStats, bootstrap_error, make_transfer_manager, transfer_error
+from engine.request import FinishReason, Req
+from engine.scheduler import make_executor, validate_prompt
+from engine.worker import WorkerIO, error_out, req_from_msg, run_loop, setup_logging, token_out
+from transfer import KVPoll, KVSender, TransferError
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class Room:
+    req: Req
+    sender: KVSender
+    sent_pages: int = 0
+    t_ready: float = field(default_factory=time.monotonic)
+
+
+class PrefillRole:
+    def __init__(self, cfg: ServerConfig) -> None:
+        from engine.model_runner import ModelRunner
+
+        self.cfg = cfg.engine
+        self.runner = ModelRunner(cfg.engine)
+        self.kv = KVManager(self.runner.pool, self.runner.host_pool)
+        self.exec = make_executor(self.runner, cfg.engine)
+        self.mgr = make_transfer_manager(cfg, self.runner, "prefill")
+        self.page_bytes = self.runner.pool.page_bytes
+        self.bootstrap: list[Room] = []
+        self.waiting: deque[Room] = deque()
+        self.inflight: list[Room] = []
+        self.outbox: list[m.TokenOut] = []
+        self.tstats = TransferStats()
+        self.blocked = False  # the head of `waiting` needs pages that only a finished room frees
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
+        try:
+            req = req_from_msg(msg)
+        except ValueError as e:
+            return [error_out(msg.rid, str(e), 400)]
+        err = bootstrap_error(req, "prefill") or validate_prompt(
+            req, self.runner.context_length, self.kv.pool.allocator.capacity, self.kv.page_size)
+        if err:
+            return [error_out(msg.rid, err, 400)]
+        try:
+            sender = self.mgr.create_sender(req.bootstrap_room)
+        except TransferError as e:
+            return [error_out(msg.rid, e.message, int(e.code))]
+        self.bootstrap.append(Room(req, sender))
+        log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.bootstrap_room,
+                 len(req.input_ids))
+        return []
+
+    def abort(self, msg: m.AbortReq) -> None:
+        for room in [*self.bootstrap, *self.waiting, *self.inflight]:
+            r = room.req
+            if msg.abort_all or (msg.rid and r.rid == msg.rid) or (
+                    msg.room is not None and r.bootstrap_room == msg.room):
+                room.sender.abort(msg.reason or "aborted")
+                self._end(room, FinishReason.ABORT, msg.reason or "aborted", 499)
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.outbox) or (bool(self.waiting) and not self.blocked)
+
+    def wait(self, io: WorkerIO) -> None:
+        self.mgr.idle_wait(1.0, extra=(io.pull,))
+
+    def step(self) -> list[m.TokenOut]:
+        self.mgr.progress()
+        self._poll_rooms()
+        items = self._plan()
+        self.blocked = bool(self.waiting) and not items
+        if items:
+            self.exec.run(items, [])
+            rooms = {id(room.req): room for room in self.waiting}
+            for it in items:
+                self._after_chunk(rooms[id(it.req)], it)
+            self.mgr.progress()
+        self._poll_inflight()
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _poll_rooms(self) -> None:
+        for room in list(self.bootstrap):
+            st = room.sender.poll()
+            if st == KVPoll.FAILED:
+                self._fail(room)
+            elif st >= KVPoll.WAITING_FOR_INPUT:
+                self.bootstrap.remove(room)
+                room.t_ready = time.monotonic()
+                self.waiting.append(room)
+        for room in list(self.waiting):
+            if room.sender.poll() == KVPoll.FAILED:
+                self._fail(room)
+
+    def _plan(self) -> list[ExtendItem]:
+        budget = self.cfg.max_prefill_tokens
+        items: list[ExtendItem] = []
+        for room in self.waiting:
+            r = room.req
+            n = min(len(r.input_ids) - r.kv_len, self.cfg.chunked_prefill_size, budget)
+            if n <= 0 or not self.kv.can_grow(r, n):
+                break
+            self.kv.grow(r, n)
+            budget -= n
+            items.append(ExtendItem(r, n))
+            if not items[-1].completes_prompt:
+                break
+        return items
+
+    def _after_chunk(self, room: Room, it: ExtendItem) -> None:
+        r = room.req
+        try:
+            if it.completes_prompt:
+                meta = {"room": r.bootstrap_room, "first_token": r.output_ids[0], "cached_tokens": r.cached_tokens,
+                        "prompt_tokens": len(r.input_ids)}
+                if r.output_logprobs:
+                    meta["first_logprob"] = r.output_logprobs[0]
+                room.sender.send(r.pages[room.sent_pages :], True, meta)
+                room.sent_pages = len(r.pages)
+                self.waiting.remove(room)
+                self.inflight.append(room)
+            else:
+                full = r.kv_len // self.kv.page_size
+                if full > room.sent_pages:
+                    room.sender.send(r.pages[room.sent_pages : full], False)
+                    room.sent_pages = full
+        except (ValueError, TransferError) as e:  # the room failed between poll and send
+            if room.sender.poll() == KVPoll.FAILED:
+                self._fail(room)
+            else:
+                room.sender.abort(str(e))
+                self._end(room, FinishReason.ERROR, f"KV send failed: {e}", 500)
+
+    def _poll_inflight(self) -> None:
+        for room in list(self.inflight):
+            st = room.sender.poll()
+            if st == KVPoll.SUCCESS:
+                r = room.req
+                self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - room.t_ready)
+                if r.finish_reason is None:  # prefill's part ends with the first token
+                    r.finish(FinishReason.LENGTH)
+                self._end(room, r.finish_reason, None, 0)
+            elif st == KVPoll.FAILED:
+                self._fail(room)
+
+    def _fail(self, room: Room) -> None:
+        self.tstats.failed += 1
+        message, code = transfer_error(room.sender.error)
+        log.warning("rid=%s room=%d: %s", room.req.rid, room.req.bootstrap_room, message)
+        self._end(room, FinishReason.ERROR, message, code)
+
+    def _end(self, room: Room, reason: FinishReason, error: str | None, code: int) -> None:
+        for q in (self.bootstrap, self.waiting, self.inflight):
+            if room in q:
+                q.remove(room)
+        r = room.req
+        if reason in (FinishReason.ERROR, FinishReason.ABORT):  # overrides a stop the first token hit
+            r.finish_reason, r.matched_stop = None, None
+        r.finish(reason, error, code)
+        self.kv.release(r)
+        room.sender.release()
+        self.exec.sampler.forget(r.rid)
+        self.blocked = False
+        self.outbox.append(token_out(r))
+
+    # ---- reporting ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
+            "kv_used_tokens": self.kv.pool.used_tokens,
+            "kv_total_tokens": self.kv.pool.total_tokens,
+            "active_rooms": self.mgr.active_rooms(),
+            "counters": {"forward_tokens": self.exec.forward_tokens},
+            "transfer": self.mgr.stats(),
+            **self.tstats.info(),
+        }
+
+    def close(self) -> None:
+        for room in [*self.bootstrap, *self.waiting, *self.inflight]:
+            room.sender.abort("prefill worker shutting down")
+        self.mgr.close()
+
+
+def run_prefill_worker(cfg: ServerConfig, ipc_dir: str) -> None:
+    setup_logging(cfg)
+    role = PrefillRole(cfg)
+    info = {"role": "prefill", **role.runner.server_info(), "bootstrap_port": role.mgr.bootstrap_port,
+            "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
+    run_loop(cfg, ipc_dir, role, info)

@@ -1,0 +1,208 @@
+"""Request parsing and validation (engine/protocol.py): no processes, a toy tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.protocol import (
+    Limits,
+    RequestError,
+    error_body,
+    parse_abort,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+    parse_json_body,
+)
+
+
+class ToyTokenizer:
+    """One id per character (ord % 1000); chat = role: content lines."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+
+TOK = ToyTokenizer()
+COLO = Limits(role="colocated", context_length=64, vocab_size=1000, model_name="toy")
+PREFILL = Limits(role="prefill", context_length=64, vocab_size=1000, model_name="toy")
+BOOT = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 2**63 - 1}
+
+
+def bad(fn, body, limits=COLO, match: str = "") -> RequestError:  # noqa: ANN001
+    with pytest.raises(RequestError, match=match) as ei:
+        fn(body, TOK, limits)
+    assert ei.value.status == 400 and ei.value.message
+    return ei.value
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe", b"null"])
+def test_malformed_json_is_400(raw: bytes) -> None:
+    with pytest.raises(RequestError) as ei:
+        parse_json_body(raw)
+    assert ei.value.status == 400
+
+
+def test_generate_text_and_defaults() -> None:
+    p = parse_generate({"text": "hello", "rid": "r1"}, TOK, COLO)
+    assert p.kind == "generate" and p.req.rid == "r1"
+    assert p.req.input_ids == TOK.encode("hello")
+    assert p.req.sampling["max_new_tokens"] == 59  # default 128 capped to 64 - 5
+    assert p.req.sampling["temperature"] == 1.0
+    assert p.req.bootstrap_room is None and not p.req.stream
+
+
+def test_generate_input_ids_sampling_and_flags() -> None:
+    body = {"input_ids": [1, 2, 3], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop": "x", "n": 1}}
+    p = parse_generate(body, TOK, COLO)
+    assert p.req.input_ids == [1, 2, 3] and p.req.stream and p.req.return_logprob
+    assert p.req.sampling["max_new_tokens"] == 4 and p.req.sampling["stop"] == ["x"]
+    assert p.stop == ("x",) and p.logprobs
+    assert len(p.req.rid) == 32  # generated uuid hex
+
+
+@pytest.mark.parametrize("body,match", [
+    ({}, "exactly one"),
+    ({"text": "a", "input_ids": [1]}, "exactly one"),
+    ({"text": ""}, "empty"),
+    ({"text": 5}, "string"),
+    ({"text": ["a", "b"]}, "batched"),
+    ({"input_ids": []}, "empty"),
+    ({"input_ids": [1, "2"]}, "integer"),
+    ({"input_ids": [1, True]}, "integer"),
+    ({"input_ids": [5000]}, "vocabulary"),
+    ({"input_ids": [[1, 2]]}, "batched"),
+    ({"text": "a", "sampling_params": [1]}, "object"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 10**12}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "9"}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "unknown"),
+    ({"text": "a", "sampling_params": {"n": 2}}, "not supported"),
+    ({"text": "a", "stream": "yes"}, "boolean"),
+    ({"text": "a", "return_logprob": 1}, "boolean"),
+    ({"text": "a", "rid": 7}, "rid"),
+    ({"text": "x" * 64}, "context length"),
+])
+def test_generate_rejects(body: dict, match: str) -> None:
+    bad(parse_generate, body, match=match)
+
+
+def test_prompt_at_context_limit_minus_one_fits_with_one_token() -> None:
+    p = parse_generate({"text": "x" * 63, "sampling_params": {"max_new_tokens": 50}}, TOK, COLO)
+    assert p.req.sampling["max_new_tokens"] == 1
+
+
+@pytest.mark.parametrize("patch,match", [
+    ({"bootstrap_host": None}, "bootstrap_host"),
+    ({"bootstrap_port": None, "bootstrap_room": None}, "bootstrap_port, bootstrap_room"),
+    ({"bootstrap_host": ""}, "bootstrap_host"),
+    ({"bootstrap_host": "a b"}, "bootstrap_host"),
+    ({"bootstrap_host": 12}, "bootstrap_host"),
+    ({"bootstrap_port": 0}, "bootstrap_port"),
+    ({"bootstrap_port": 65536}, "bootstrap_port"),
+    ({"bootstrap_port": "8998"}, "bootstrap_port"),
+    ({"bootstrap_port": True}, "bootstrap_port"),
+    ({"bootstrap_room": -1}, "bootstrap_room"),
+    ({"bootstrap_room": 2**63}, "bootstrap_room"),
+    ({"bootstrap_room": 1.5}, "bootstrap_room"),
+])
+def test_bootstrap_fields_required_and_checked_on_pd_roles(patch: dict, match: str) -> None:
+    body = {"text": "hi", **BOOT, **patch}
+    body = {k: v for k, v in body.items() if v is not None}
+    bad(parse_generate, body, PREFILL, match=match)
+    bad(parse_completion, {**body, "prompt": "hi"}, PREFILL, match=match)
+
+
+def test_bootstrap_fields_pass_through_on_pd_and_are_ignored_colocated() -> None:
+    p = parse_chat({"messages": [{"role": "user", "content": "hi"}], **BOOT}, TOK, PREFILL)
+    assert (p.req.bootstrap_host, p.req.bootstrap_port, p.req.bootstrap_room) == ("10.0.0.1", 8998, 2**63 - 1)
+    p = parse_generate({"text": "hi", "bootstrap_port": "junk"}, TOK, COLO)
+    assert p.req.bootstrap_port is None
+
+
+def test_completion_mapping() -> None:
+    body = {"model": "toy", "prompt": "abc", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+            "stop": ["\n", ""], "seed": 3, "n": 1, "echo": False, "logprobs": 1, "stream": True,
+            "stream_options": {"include_usage": True}, "user": "u", "presence_penalty": 0}
+    p = parse_completion(body, TOK, COLO)
+    s = p.req.sampling
+    assert (s["max_new_tokens"], s["temperature"], s["top_p"], s["seed"]) == (7, 0.5, 0.9, 3)
+    assert s["stop"] == ["\n"] and p.include_usage and p.logprobs and p.req.stream
+    assert parse_completion({"prompt": [5, 6]}, TOK, COLO).req.input_ids == [5, 6]
+    assert parse_completion({"prompt": ["ab"]}, TOK, COLO).req.input_ids == TOK.encode("ab")
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"prompt": ""}, "empty"),
+    ({"prompt": []}, "empty"),
+    ({}, "required"),
+    ({"prompt": ["a", "b"]}, "one prompt"),
+    ({"prompt": {"a": 1}}, "string or a list"),
+    ({"prompt": "a", "n": 2}, "'n'"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "max_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "a", "max_tokens": -1}, "max_new_tokens"),
+    ({"prompt": "a", "max_tokens": 10**9}, "max_new_tokens"),
+    ({"prompt": "a", "max_tokens": 1.5}, "max_new_tokens"),
+    ({"prompt": "a", "temperature": "x"}, "temperature"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+    ({"prompt": "a", "logprobs": 9}, "logprobs"),
+    ({"prompt": "a", "stream": 1}, "boolean"),
+    ({"prompt": "a", "model": 3}, "model"),
+    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+])
+def test_completion_rejects(body: dict, match: str) -> None:
+    bad(parse_completion, body, match=match)
+
+
+def test_chat_content_string_and_text_parts() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    p = parse_chat({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}],
+                    "max_completion_tokens": 3, "max_tokens": 9, "logprobs": True}, TOK, COLO)
+    assert p.req.input_ids == TOK.encode("system: s\nuser: a\nb\nassistant: ")
+    assert p.req.sampling["max_new_tokens"] == 3 and p.logprobs and p.kind == "chat"
+
+
+@pytest.mark.parametrize("body,match", [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user"}]}, "content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": ""}]}, "empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "text"),
+    ({"messages": ["hi"]}, "object"),
+    ({"messages": [{"role": "user", "content": "x" * 80}]}, "context length"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_new_tokens"),
+])
+def test_chat_rejects(body: dict, match: str) -> None:
+    bad(parse_chat, body, match=match)
+
+
+def test_abort_parsing() -> None:
+    assert parse_abort({"rid": "r"}).rid == "r"
+    assert parse_abort({"bootstrap_room": 5}).room == 5
+    assert parse_abort({"abort_all": True}).abort_all
+    for body in ({}, {"rid": ""}, {"bootstrap_room": -1}, {"bootstrap_room": "5"}, {"abort_all": "yes"}):
+        with pytest.raises(RequestError):
+            parse_abort(body)
+
+
+def test_error_body_shape() -> None:
+    assert error_body("m", 400) == {"error": {"message": "m", "type": "invalid_request_error", "code": 400}}
+    assert error_body("m", 503)["error"]["type"] == "server_error"
