@@ -141,7 +141,7 @@ class PDConfig:
     transfer_backend: str = "ucx"  # ucx | fake (fake: unit tests only)
     bootstrap_timeout_s: float = 60.0
     waiting_timeout_s: float = 120.0
-    heartbeat_interval_s: float = 2.0
+    heartbeat_interval_s: float = 5.0
     cluster_token: str | None = None
 
     def __post_init__(self) -> None:

@@ -110,21 +110,23 @@ class HostKVPool:
         return self.allocator is not None and self.allocator.can_allocate(n)
 
     def offload(self, device: KVPool, pages: list[int]) -> list[int]:
-        """Copy device pages to freshly allocated host pages; the caller frees the device pages."""
+        """Copy device pages to freshly allocated host pages; the caller frees the device pages.
+
+        On CUDA the copies are asynchronous into pinned memory, on the current stream: a later
+        kernel that reuses the freed device pages, and the reload, are ordered after them, and the
+        host copy is never read by the CPU."""
         assert self.allocator is not None
         host = self.allocator.allocate(len(pages))
-        src = device.buffer[torch.tensor(pages, dtype=torch.long, device=device.buffer.device)]
-        self.buffer[torch.tensor(host, dtype=torch.long)] = src.to("cpu", non_blocking=False)
+        for d, h, n in _runs(pages, host):
+            self.buffer[h : h + n].copy_(device.buffer[d : d + n], non_blocking=True)
         return host
 
     def reload(self, device: KVPool, host: list[int], pages: list[int]) -> None:
-        """Copy host pages back into device pages and free the host pages."""
+        """Copy host pages back into device pages (async from pinned memory on CUDA); frees the
+        host pages, whose next writer is ordered after this copy on the same stream."""
         assert self.allocator is not None and len(host) == len(pages)
-        data = self.buffer[torch.tensor(host, dtype=torch.long)]
-        dev = device.buffer.device
-        if dev.type == "cuda":
-            data = data.pin_memory().to(dev, non_blocking=True)
-        device.buffer[torch.tensor(pages, dtype=torch.long, device=dev)] = data.to(dev)
+        for h, d, n in _runs(host, pages):
+            device.buffer[d : d + n].copy_(self.buffer[h : h + n], non_blocking=True)
         self.allocator.free(host)
 
     def free(self, host: list[int]) -> None:
@@ -133,3 +135,14 @@ class HostKVPool:
 
     def all_free(self) -> bool:
         return self.allocator is None or self.allocator.all_free()
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for stretches where both page lists count up by one."""
+    out: list[tuple[int, int, int]] = []
+    for a, b in zip(src, dst):
+        if out and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((a, b, 1))
+    return out

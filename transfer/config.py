@@ -26,7 +26,7 @@ class TransferConfig:
     backend: str = "ucx"  # "ucx" | "fake" (fake moves no bytes: unit tests only)
     bootstrap_timeout_s: float = 60.0  # prefill: sender fails if no TransferInfo for its room by then
     waiting_timeout_s: float = 120.0  # decode: receiver fails if KV not complete by then
-    heartbeat_interval_s: float = 2.0  # 3 missed -> all rooms with that peer FAILED
+    heartbeat_interval_s: float = 5.0  # 3 missed -> all rooms with that peer FAILED
     cluster_token: str | None = None  # when set, control messages without it are refused
 
     def __post_init__(self) -> None:
