@@ -8,6 +8,7 @@ Plots (matplotlib, Agg backend, no display needed):
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from loadtest.metrics import RequestResult, fmt_ms
@@ -96,7 +97,13 @@ def plot_itl_over_time(path: Path, runs: dict[str, list[RequestResult]], title: 
 
 
 def write_plots(out: Path, runs: dict[str, list[RequestResult]], title: str = "") -> list[Path]:
+    """The PNGs; none (with a note on stderr) when matplotlib is not installed."""
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("no plots: matplotlib is not installed (pip install 'pdserve[bench]')", file=sys.stderr)
+        return []
     return [plot_cdfs(out / "latency_cdf.png", runs, title),
             plot_itl_over_time(out / "itl_over_time.png", runs, title)]
 

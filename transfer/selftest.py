@@ -90,9 +90,12 @@ def run_prefill(args: argparse.Namespace, mgr: TransferManager, plans: list[Room
     next_chunk = {p.room: 0 for p in plans}
     sent = 0
     deadline = time.monotonic() + args.deadline
+    next_send = 0.0
     while any(s.poll() not in TERMINAL for s in senders.values()) and time.monotonic() < deadline:
         mgr.progress()
         for plan in plans:
+            if time.monotonic() < next_send:
+                break
             s, k = senders[plan.room], next_chunk[plan.room]
             if s.poll() in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING) and k < len(plan.chunks):
                 a = sum(plan.chunks[:k])
@@ -101,6 +104,7 @@ def run_prefill(args: argparse.Namespace, mgr: TransferManager, plans: list[Room
                        else None)
                 next_chunk[plan.room] = k + 1
                 sent += 1
+                next_send = time.monotonic() + args.send_interval
                 if args.stall_after and sent >= args.stall_after:
                     _stall()
         mgr.idle_wait(0.001)
@@ -166,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--waiting-timeout", type=float, default=60.0, help="decode waiting timeout, s")
     ap.add_argument("--bootstrap-timeout", type=float, default=60.0, help="prefill bootstrap timeout, s")
     ap.add_argument("--stall-after", type=int, default=0, help="stop driving after N chunks/rooms")
+    ap.add_argument("--send-interval", type=float, default=0.0,
+                    help="prefill: seconds between chunk sends (spreads a run out in time)")
     ap.add_argument("--deadline", type=float, default=120.0, help="give up after this many seconds")
     return ap.parse_args(argv)
 

@@ -54,13 +54,16 @@ def test_prefill_killed_fails_receivers_within_timeout():
 
 
 def test_decode_killed_fails_senders():
-    p, d, _ = start_pair([], ["--stall-after", "5"])
+    # sends spread over ~5 s, so the decode dies with rooms still open whatever the machine's load
+    p, d, _ = start_pair(["--send-interval", "0.05"], ["--stall-after", "5"])
     try:
         read_event(d, "stalled")
         d.send_signal(signal.SIGKILL)
         done = read_event(p, "done", timeout=60)
         assert done["states"].get("FAILED", 0) > 0, done
-        assert all(e["code"] == 503 and "decode" in e["message"] for e in done["errors"]), done
+        # rooms with sends in flight see the UCX connection reset (500), the rest miss heartbeats (503)
+        assert all((e["code"] == 503 and "decode" in e["message"]) or
+                   (e["code"] == 500 and "UCX" in e["message"]) for e in done["errors"]), done
         assert_freed(done)
     finally:
         stop(p, d)

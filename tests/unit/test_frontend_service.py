@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.config import CPU_DEFAULT_TOKENS
 from tests.stub_worker import make_tokenizer_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -135,7 +136,7 @@ def test_info_endpoints(colo: Service) -> None:
     for path in ("/server_info", "/get_server_info"):
         info = c.get(path).json()
         assert info["role"] == "colocated" and info["context_length"] == 4096 and info["stub"] is True
-        assert info["internal_states"][0]["kv_total_tokens"] == 65536
+        assert info["internal_states"][0]["kv_total_tokens"] == CPU_DEFAULT_TOKENS  # the CPU default pool
     for path in ("/model_info", "/get_model_info"):
         assert c.get(path).json()["is_generation"] is True
     models = c.get("/v1/models").json()

@@ -56,9 +56,10 @@ def test_bench_across_namespaces_then_teardown(tmp_path):
 
 def test_sigint_tears_down(tmp_path):
     script = textwrap.dedent("""
-        import sys, time
+        import signal, sys, time
         from pathlib import Path
         from loadtest.netns import Netns, NetnsConfig
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
         with Netns(NetnsConfig(prefix="pdlu", nodes=("x",))) as net:
             p = net.spawn("x", ["sleep", "300"], Path(sys.argv[1]))
             print(p.pid, flush=True)
