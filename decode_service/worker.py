@@ -21,10 +21,10 @@ from collections import deque
 from engine import messages as m
 from engine.config import ServerConfig
 from engine.memory import pages_for
-from engine.pd_common import TransferStats, bootstrap_error, make_transfer_manager, transfer_error
+from engine.pd_common import TransferStats, make_transfer_manager, parse_pd_request, transfer_error
 from engine.request import FinishReason, Req
-from engine.scheduler import Scheduler, validate_prompt
-from engine.worker import WorkerIO, error_out, req_from_msg, run_loop, setup_logging, token_out
+from engine.scheduler import Scheduler
+from engine.worker import WorkerIO, error_out, run_loop, setup_logging, token_out
 from transfer import KVPoll, KVReceiver, TransferError
 
 log = logging.getLogger("pdserve.decode")
@@ -51,14 +51,9 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        try:
-            req = req_from_msg(msg)
-        except ValueError as e:
-            return [error_out(msg.rid, str(e), 400)]
-        err = bootstrap_error(req, "decode") or validate_prompt(
-            req, self.runner.context_length, self.kv.pool.allocator.capacity, self.kv.page_size)
-        if err:
-            return [error_out(msg.rid, err, 400)]
+        req, bad = parse_pd_request(msg, "decode", self.runner)
+        if req is None:
+            return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
             return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
         self.prealloc.append(req)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import bisect
 
+from engine import messages as m
 from engine.config import ServerConfig
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.scheduler import validate_prompt
+from engine.worker import error_out, req_from_msg
 from transfer import CompatInfo, TransferConfig, TransferError, TransferManager
 
 KV_LAYOUT = "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
@@ -45,6 +48,18 @@ def bootstrap_error(req: Req, role: str) -> str | None:
         if req.bootstrap_port is None or not 0 < req.bootstrap_port < 65536:
             return "decode requests need bootstrap_port in 1..65535"
     return None
+
+
+def parse_pd_request(msg: m.GenerateReq, role: str, runner: ModelRunner) -> tuple[Req | None, m.TokenOut | None]:
+    """(the request, None), or (None, the 400 that answers it): bad sampling parameters, missing or
+    invalid bootstrap fields, an empty prompt or one the context or the KV pool cannot hold."""
+    try:
+        req = req_from_msg(msg)
+    except ValueError as e:
+        return None, error_out(msg.rid, str(e), 400)
+    err = bootstrap_error(req, role) or validate_prompt(
+        req, runner.context_length, runner.pool.allocator.capacity, runner.page_size)
+    return (None, error_out(msg.rid, err, 400)) if err else (req, None)
 
 
 def transfer_error(err: TransferError | None) -> tuple[str, int]:

@@ -23,10 +23,10 @@ from engine import messages as m
 from engine.batch import ExtendItem
 from engine.config import ServerConfig
 from engine.kv_manager import KVManager
-from engine.pd_common import TransferStats, bootstrap_error, make_transfer_manager, transfer_error
+from engine.pd_common import TransferStats, make_transfer_manager, parse_pd_request, transfer_error
 from engine.request import FinishReason, Req
-from engine.scheduler import make_executor, validate_prompt
-from engine.worker import WorkerIO, error_out, req_from_msg, run_loop, setup_logging, token_out
+from engine.scheduler import make_executor
+from engine.worker import WorkerIO, error_out, run_loop, setup_logging, token_out
 from transfer import KVPoll, KVSender, TransferError
 
 log = logging.getLogger("pdserve.prefill")
@@ -59,14 +59,9 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        try:
-            req = req_from_msg(msg)
-        except ValueError as e:
-            return [error_out(msg.rid, str(e), 400)]
-        err = bootstrap_error(req, "prefill") or validate_prompt(
-            req, self.runner.context_length, self.kv.pool.allocator.capacity, self.kv.page_size)
-        if err:
-            return [error_out(msg.rid, err, 400)]
+        req, bad = parse_pd_request(msg, "prefill", self.runner)
+        if req is None:
+            return [bad]  # type: ignore[list-item]
         try:
             sender = self.mgr.create_sender(req.bootstrap_room)
         except TransferError as e:
