@@ -23,7 +23,7 @@ from engine.config import ServerConfig
 from engine.memory import pages_for
 from engine.pd_common import TransferStats, make_transfer_manager, parse_pd_request, transfer_error
 from engine.request import FinishReason, Req
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, dedup
 from engine.worker import WorkerIO, error_out, run_loop, setup_logging, token_out
 from transfer import KVPoll, KVReceiver, TransferError
 
@@ -90,7 +90,7 @@ class DecodeRole:
         out = self.outbox + self.sched.outbox + done
         self.outbox, self.sched.outbox = [], []
         self.mgr.progress()
-        return [token_out(r) for r in self.sched._dedup(out)]
+        return [token_out(r) for r in dedup(out)]
 
     def _reserved_pages(self) -> int:
         ratio = self.cfg.new_token_ratio
@@ -147,12 +147,7 @@ class DecodeRole:
         r.output_ids.append(int(meta["first_token"]))
         if r.return_logprob:
             r.output_logprobs.append(float(meta.get("first_logprob", 0.0)))
-        self.sched.exec.stops.check(r)
-        if r.finished:
-            self.sched._finish(r, r.finish_reason)  # type: ignore[arg-type]
-        else:
-            self.sched.running.append(r)
-            self.sched.outbox.append(r)
+        self.sched.join_running(r)
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
         r, rx, _ = self.transfer.pop(room)

@@ -6,10 +6,11 @@ Services never import each other; both import this.
 
 from __future__ import annotations
 
-import bisect
+from itertools import accumulate
 
 from engine import messages as m
 from engine.config import ServerConfig
+from engine.metrics import Histogram
 from engine.model_runner import ModelRunner
 from engine.request import Req
 from engine.scheduler import validate_prompt
@@ -75,23 +76,18 @@ class TransferStats:
         self.bytes = 0
         self.succeeded = 0
         self.failed = 0
-        self.counts = [0] * len(TRANSFER_BUCKETS)
-        self.sum = 0.0
-        self.count = 0
+        self.seconds = Histogram("transfer_seconds", "room ready to transfer done", TRANSFER_BUCKETS)
 
     def success(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
         self.succeeded += 1
-        self.count += 1
-        self.sum += seconds
-        i = bisect.bisect_left(TRANSFER_BUCKETS, seconds)
-        for j in range(i, len(self.counts)):
-            self.counts[j] += 1
+        self.seconds.observe(seconds)
 
     def info(self) -> dict:
+        h = self.seconds
         return {
             "transfer_bytes_total": self.bytes,
             "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},
-            "histograms": {"transfer_seconds": {"le": list(TRANSFER_BUCKETS), "counts": list(self.counts),
-                                                "sum": self.sum, "count": self.count}},
+            "histograms": {"transfer_seconds": {"le": list(h.buckets), "counts": list(accumulate(h.counts[:-1])),
+                                                "sum": h.sum, "count": h.count}},
         }

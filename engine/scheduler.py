@@ -40,6 +40,12 @@ def validate_prompt(req: Req, context_length: int, capacity_pages: int, page_siz
     return None
 
 
+def dedup(reqs: list[Req]) -> list[Req]:
+    """Each request once, first occurrence kept."""
+    seen: set[str] = set()
+    return [r for r in reqs if not (r.rid in seen or seen.add(r.rid))]
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig, decode_tail=None) -> None:  # noqa: ANN001
         self.cfg = cfg
@@ -87,13 +93,18 @@ class Scheduler:
             self.outbox.append(r)
             if r.finished:
                 self._finish(r, r.finish_reason)  # type: ignore[arg-type]
-        out, self.outbox = self._dedup(self.outbox), []
+        out, self.outbox = dedup(self.outbox), []
         return out
 
-    @staticmethod
-    def _dedup(reqs: list[Req]) -> list[Req]:
-        seen: set[str] = set()
-        return [r for r in reqs if not (r.rid in seen or seen.add(r.rid))]
+    def join_running(self, r: Req) -> None:
+        """Take a request whose prompt KV is already in its pages (kv_len set) and whose first token
+        is in output_ids (PD decode): finish it if that token ends it, else add it to the batch."""
+        self.exec.stops.check(r)
+        if r.finished:
+            self._finish(r, r.finish_reason)  # type: ignore[arg-type]
+        else:
+            self.running.append(r)
+            self.outbox.append(r)
 
     def _finish(self, r: Req, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
         r.finish(reason, error, code)

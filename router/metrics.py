@@ -12,9 +12,9 @@ read from the registry at scrape time are all we need).
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 
+from engine.metrics import Histogram
 from router.registry import Registry
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -30,29 +30,6 @@ def _labels(pairs: tuple[tuple[str, str], ...]) -> str:
 
 def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else repr(v)
-
-
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help_, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cum = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cum += n
-            out.append(f'{self.name}_bucket{{le="{bound}"}} {cum}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        out += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
-        return out
 
 
 class Counter:
