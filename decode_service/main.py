@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.launch import run_main
+from service.launch import run_main
 
 
 def main(argv: list[str] | None = None) -> int:

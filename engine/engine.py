@@ -35,11 +35,8 @@ class LLM:
         self.cfg = cfg
         self.runner = runner or ModelRunner(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.runner.model_path))
-        self.scheduler = Scheduler(self.runner, cfg, decode_tail=self._decode_tail)
+        self.scheduler = Scheduler(self.runner, cfg)
         self._ids = itertools.count()
-
-    def _decode_tail(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)

@@ -1,13 +1,24 @@
-"""Page bookkeeping for requests: grow, free, offload to host (retraction) and reload.
+"""Page bookkeeping for requests: grow, free, offload to host (retraction) and reload, and the
+admission rule.
 
 All page movement of a request goes through here, so "every page and host copy is freed" has one
-place to hold.
+place to hold. The admission rule (`reservation`, `can_admit`) is written here once and used by the
+colocated scheduler, the PD decode's pre-allocation and the extend planner alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.memory import HostKVPool, KVPool, pages_for
 from engine.request import Req
+
+
+def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
+    """Pages kept back for the future tokens of `reqs`: for each, new_token_ratio of the tokens it
+    may still generate, rounded up to whole pages (ratio 0 reserves nothing: admit greedily and rely
+    on retraction)."""
+    return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))), page_size) for r in reqs)
 
 
 class KVManager:
@@ -29,6 +40,20 @@ class KVManager:
         n = self.extra_pages(req, new_tokens)
         if n:
             req.pages.extend(self.pool.allocator.allocate(n))
+
+    def capacity_error(self, prompt_tokens: int) -> str | None:
+        """Why a prompt can never fit this pool (its KV plus one token), or None."""
+        cap = self.pool.allocator.capacity
+        if pages_for(prompt_tokens + 1, self.page_size) > cap:
+            return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
+        return None
+
+    def can_admit(self, need: int, own: int, reserved: int, busy: bool) -> bool:
+        """Admission: a new request's `need` pages now plus its `own` reservation must fit in the free
+        pages less `reserved` (the reservations of requests already admitted). With nothing else
+        holding pages (`busy` False) it only needs `need` free pages."""
+        free = self.free_pages
+        return need <= free and (not busy or need + own <= free - reserved)
 
     @property
     def free_pages(self) -> int:

@@ -1,5 +1,8 @@
 """Req: one generation request as the scheduler sees it, and its stop conditions.
 
+`TailDecoder` is the one text decoder stop strings are checked with (every scheduler builds its
+StopChecker with one).
+
 Token bookkeeping: `fill_ids = input_ids + output_ids`; `kv_len` tokens of it have KV in the cache
 (in `pages`, or in `host_pages` while retracted). A running decode request has
 `len(fill_ids) == kv_len + 1`: its last sampled token's KV is computed by the next decode step.
@@ -10,6 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -60,11 +65,31 @@ class Req:
     def is_retracted(self) -> bool:
         return bool(self.host_pages)
 
+    def matches(self, rid: str = "", room: int | None = None, everything: bool = False) -> bool:
+        """The abort predicate: selected by its request id, by its bootstrap room, or by `everything`."""
+        return everything or (bool(rid) and self.rid == rid) or (room is not None and self.bootstrap_room == room)
+
     def finish(self, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
             self.error_code = code
+
+
+class TailDecoder:
+    """Output ids -> text for stop strings, with the model's own tokenizer (loaded on first use, so a
+    worker whose requests carry no stop strings never loads it)."""
+
+    def __init__(self, model_path: str | Path) -> None:
+        self.model_path = str(model_path)
+        self._tok: Any = None
+
+    def __call__(self, ids: list[int]) -> str:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tok.decode(ids, skip_special_tokens=False)
 
 
 class StopChecker:

@@ -5,8 +5,8 @@ Request lifecycle (colocated):
 2. Each `step`: retracted requests at the head of `waiting` are reloaded from host memory when
    they fit; running requests get a page for their next token, retracting the newest ones to the
    host pool when pages run out; waiting requests are admitted into an extend batch under the token
-   budget (one chunk of at most `chunked_prefill_size` each; a partial chunk ends the batch), keeping
-   a reservation for the running requests' future tokens.
+   budget by the ExtendPlanner (one chunk of at most `chunked_prefill_size` each; a partial chunk
+   ends the batch), keeping a reservation for the running requests' future tokens.
 3. One forward runs the extend chunks and all running decodes together (BatchExecutor).
 4. Requests whose prompt completed join `running`; finished requests release every page.
 """
@@ -14,30 +14,69 @@ Request lifecycle (colocated):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from engine.batch import BatchExecutor, ExtendItem
 from engine.config import EngineConfig
-from engine.kv_manager import KVManager
-from engine.memory import pages_for
+from engine.kv_manager import KVManager, reservation
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Req, StopChecker
+from engine.request import FinishReason, Req, StopChecker, TailDecoder
 from engine.sampling import Sampler
 
 
-def make_executor(runner: ModelRunner, cfg: EngineConfig, decode_tail=None) -> BatchExecutor:  # noqa: ANN001
-    stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, decode_tail)
+def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = True) -> BatchExecutor:
+    """The batch executor of a role; stop strings are checked with the model's tokenizer (TailDecoder)."""
+    tail = TailDecoder(runner.model_path) if stop_strings else None
+    stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, tail)
     return BatchExecutor(runner, Sampler(cfg.seed), stops)
 
 
-def validate_prompt(req: Req, context_length: int, capacity_pages: int, page_size: int) -> str | None:
+def validate_prompt(req: Req, context_length: int, kv: KVManager) -> str | None:
+    """The engine's own guard (the offline LLM has no frontend): empty, too long, or never fits the pool."""
     n = len(req.input_ids)
     if n == 0:
         return "the prompt is empty"
     if n >= context_length:
         return f"the prompt has {n} tokens; the context length is {context_length}"
-    if pages_for(n + 1, page_size) > capacity_pages:
-        return f"the prompt has {n} tokens; the KV pool holds {capacity_pages * page_size}"
-    return None
+    return kv.capacity_error(n)
+
+
+class ExtendPlanner:
+    """Picks one step's prompt chunks, FIFO: at most chunked_prefill_size tokens per request and
+    max_prefill_tokens per batch; a partial chunk ends the batch, and so does the first request that
+    does not fit. Pages are allocated for the chosen chunks (KVManager.grow).
+
+    reserve=True (colocated, decode): the admission rule applies (`KVManager.can_admit` with the
+    running requests' reservations), retracted requests are not planned here and the running batch
+    caps at max_running_requests. reserve=False (prefill): a request leaves once its prompt is
+    computed, so only free pages count.
+    """
+
+    def __init__(self, kv: KVManager, cfg: EngineConfig, reserve: bool = True) -> None:
+        self.kv, self.cfg, self.reserve = kv, cfg, reserve
+
+    def plan(self, waiting: Iterable[Req], running: list[Req] | None = None) -> list[ExtendItem]:
+        cfg, kv, running = self.cfg, self.kv, running or []
+        ratio = cfg.new_token_ratio if self.reserve else 0.0
+        reserved = reservation(running, ratio, kv.page_size)
+        budget = cfg.max_prefill_tokens
+        items: list[ExtendItem] = []
+        for r in waiting:
+            if self.reserve and (r.is_retracted or len(running) + len(items) >= cfg.max_running_requests):
+                break
+            n = min(len(r.fill_ids) - r.kv_len, cfg.chunked_prefill_size, budget)
+            if n <= 0:
+                break
+            own = reservation([r], ratio, kv.page_size) if r.kv_len == 0 else 0  # a new admission
+            if not kv.can_admit(kv.extra_pages(r, n), own, reserved, busy=bool(items or running)):
+                break
+            kv.grow(r, n)
+            reserved += own
+            budget -= n
+            items.append(ExtendItem(r, n))
+            if not items[-1].completes_prompt:
+                break
+        return items
 
 
 def dedup(reqs: list[Req]) -> list[Req]:
@@ -47,19 +86,19 @@ def dedup(reqs: list[Req]) -> list[Req]:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cfg: EngineConfig, decode_tail=None) -> None:  # noqa: ANN001
+    def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
-        self.kv = KVManager(runner.pool, runner.host_pool)
-        self.exec = make_executor(runner, cfg, decode_tail)
+        self.kv = kv or KVManager(runner.pool, runner.host_pool)
+        self.exec = make_executor(runner, cfg)
+        self.planner = ExtendPlanner(self.kv, cfg)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.outbox: list[Req] = []  # requests with something to report after the last step
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        err = validate_prompt(req, self.runner.context_length, self.kv.pool.allocator.capacity,
-                              self.kv.page_size)
+        err = validate_prompt(req, self.runner.context_length, self.kv)
         if err:
             req.finish(FinishReason.ERROR, err, 400)
             self.outbox.append(req)
@@ -68,10 +107,7 @@ class Scheduler:
 
     def abort(self, rid: str = "", room: int | None = None, everything: bool = False,
               reason: str = "aborted") -> int:
-        def hit(r: Req) -> bool:
-            return everything or (rid and r.rid == rid) or (room is not None and r.bootstrap_room == room)
-
-        victims = [r for r in list(self.waiting) + self.running if hit(r)]
+        victims = [r for r in list(self.waiting) + self.running if r.matches(rid, room, everything)]
         for r in victims:
             self._finish(r, FinishReason.ABORT, reason, 499)
         return len(victims)
@@ -83,7 +119,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         self._reload_retracted()
         decode = self._prepare_decode()
-        extend = self._plan_extend()
+        extend = self.planner.plan(self.waiting, self.running)
         result = self.exec.run(extend, decode)
         for it in result.extended:
             if it.completes_prompt:
@@ -145,36 +181,8 @@ class Scheduler:
             self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
 
     def reserved_pages(self) -> int:
-        """Pages kept back for the running requests' future tokens: new_token_ratio of what each may
-        still generate (0 reserves nothing: admit greedily and rely on retraction)."""
-        ratio = self.cfg.new_token_ratio
-        return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))), self.kv.page_size)
-                   for r in self.running)
-
-    def _plan_extend(self) -> list[ExtendItem]:
-        budget = self.cfg.max_prefill_tokens
-        free = self.kv.free_pages - self.reserved_pages()
-        items: list[ExtendItem] = []
-        active = len(self.running)
-        for r in self.waiting:
-            if r.is_retracted or budget <= 0 or active >= self.cfg.max_running_requests:
-                break
-            n = min(len(r.fill_ids) - r.kv_len, self.cfg.chunked_prefill_size, budget)
-            need = self.kv.extra_pages(r, n)
-            if r.kv_len == 0:  # a new admission also reserves for its own output
-                need += int(self.cfg.new_token_ratio * r.sampling.max_new_tokens) // self.kv.page_size
-            if need > free and (items or self.running):
-                break
-            if not self.kv.can_grow(r, n):
-                break
-            self.kv.grow(r, n)
-            free -= need
-            budget -= n
-            active += 1
-            items.append(ExtendItem(r, n))
-            if not items[-1].completes_prompt:
-                break
-        return items
+        """Pages kept back for the running requests' future tokens (kv_manager.reservation)."""
+        return reservation(self.running, self.cfg.new_token_ratio, self.kv.page_size)
 
     def stats(self) -> dict:
         return {

@@ -19,7 +19,7 @@ COMMANDS = {
     "router": ("router.main", "OpenAI-compatible router that pairs prefill and decode workers"),
     "prefill": ("prefill_service.main", "prefill service: chunked prefill, streams KV to decode"),
     "decode": ("decode_service.main", "decode service: receives KV, runs decode batches"),
-    "colocated": ("engine.server", "one service doing prefill and decode (single node)"),
+    "colocated": ("colocated_service.main", "one service doing prefill and decode (single node)"),
     "bench": ("loadtest.cli", "load generator: TTFT/ITL/TPOT/throughput, JSON + plots"),
     "model": ("engine.models.embedded", "convert the embedded model once and print its directory"),
 }

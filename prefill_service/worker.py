@@ -19,15 +19,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine import messages as m
 from engine.batch import ExtendItem
-from engine.config import ServerConfig
+from engine.config import EngineConfig
 from engine.kv_manager import KVManager
-from engine.pd_common import TransferStats, make_transfer_manager, parse_pd_request, transfer_error
+from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
-from engine.scheduler import make_executor
-from engine.worker import WorkerIO, error_out, run_loop, setup_logging, token_out
-from transfer import KVPoll, KVSender, TransferError
+from engine.scheduler import ExtendPlanner, make_executor
+from service import messages as m
+from service.channels import WorkerChannels
+from service.config import ServerConfig
+from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.worker import error_out, run_loop, setup_logging, token_out
+from transfer import KVPoll, KVSender, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -41,15 +44,13 @@ class Room:
 
 
 class PrefillRole:
-    def __init__(self, cfg: ServerConfig) -> None:
-        from engine.model_runner import ModelRunner
+    """The prefill queues over an injected runner, KV manager and transfer manager."""
 
-        self.cfg = cfg.engine
-        self.runner = ModelRunner(cfg.engine)
-        self.kv = KVManager(self.runner.pool, self.runner.host_pool)
-        self.exec = make_executor(self.runner, cfg.engine)
-        self.mgr = make_transfer_manager(cfg, self.runner, "prefill")
-        self.page_bytes = self.runner.pool.page_bytes
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
+        self.runner, self.kv, self.mgr = runner, kv, mgr
+        self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
+        self.planner = ExtendPlanner(kv, cfg, reserve=False)
+        self.page_bytes = runner.pool.page_bytes
         self.bootstrap: list[Room] = []
         self.waiting: deque[Room] = deque()
         self.inflight: list[Room] = []
@@ -59,7 +60,7 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = parse_pd_request(msg, "prefill", self.runner)
+        req, bad = pd_request(msg, self.kv)
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
@@ -73,9 +74,7 @@ class PrefillRole:
 
     def abort(self, msg: m.AbortReq) -> None:
         for room in [*self.bootstrap, *self.waiting, *self.inflight]:
-            r = room.req
-            if msg.abort_all or (msg.rid and r.rid == msg.rid) or (
-                    msg.room is not None and r.bootstrap_room == msg.room):
+            if room.req.matches(msg.rid, msg.room, msg.abort_all):
                 room.sender.abort(msg.reason or "aborted")
                 self._end(room, FinishReason.ABORT, msg.reason or "aborted", 499)
 
@@ -83,13 +82,13 @@ class PrefillRole:
     def has_work(self) -> bool:
         return bool(self.outbox) or (bool(self.waiting) and not self.blocked)
 
-    def wait(self, io: WorkerIO) -> None:
-        self.mgr.idle_wait(1.0, extra=(io.pull,))
+    def wait(self, io: WorkerChannels) -> None:
+        self.mgr.idle_wait(1.0, extra=(io.inbox.socket,))
 
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
         self._poll_rooms()
-        items = self._plan()
+        items = self.planner.plan([room.req for room in self.waiting])
         self.blocked = bool(self.waiting) and not items
         if items:
             self.exec.run(items, [])
@@ -113,21 +112,6 @@ class PrefillRole:
         for room in list(self.waiting):
             if room.sender.poll() == KVPoll.FAILED:
                 self._fail(room)
-
-    def _plan(self) -> list[ExtendItem]:
-        budget = self.cfg.max_prefill_tokens
-        items: list[ExtendItem] = []
-        for room in self.waiting:
-            r = room.req
-            n = min(len(r.input_ids) - r.kv_len, self.cfg.chunked_prefill_size, budget)
-            if n <= 0 or not self.kv.can_grow(r, n):
-                break
-            self.kv.grow(r, n)
-            budget -= n
-            items.append(ExtendItem(r, n))
-            if not items[-1].completes_prompt:
-                break
-        return items
 
     def _after_chunk(self, room: Room, it: ExtendItem) -> None:
         r = room.req
@@ -203,9 +187,11 @@ class PrefillRole:
         self.mgr.close()
 
 
-def run_prefill_worker(cfg: ServerConfig, ipc_dir: str) -> None:
+def run_prefill_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
-    role = PrefillRole(cfg)
-    info = {"role": "prefill", **role.runner.server_info(), "bootstrap_port": role.mgr.bootstrap_port,
+    runner = ModelRunner(cfg.engine)
+    mgr = make_transfer_manager(cfg, runner, "prefill")
+    role = PrefillRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool), mgr)
+    info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
-    run_loop(cfg, ipc_dir, role, info)
+    run_loop(cfg, role, info)

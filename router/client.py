@@ -8,11 +8,11 @@ import logging
 
 import httpx
 
+from common.http import TOKEN_HEADER
 from router.registry import Worker
 
 log = logging.getLogger("router.client")
 
-TOKEN_HEADER = "x-pdserve-token"
 ABORT_TIMEOUT_S = 5.0
 
 

@@ -156,15 +156,3 @@ def load_yaml(path: str | Path) -> dict:
             raise ValueError(f"--config {path}: unknown key {key!r}")
         out[name] = value
     return out
-
-
-def read_secret_lines(path: str) -> frozenset[str]:
-    """API keys file: one key per line, blank lines and #comments ignored; must hold at least one."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read key file {path}: {e}") from e
-    keys = frozenset(s.strip() for s in lines if s.strip() and not s.strip().startswith("#"))
-    if not keys:
-        raise ValueError(f"key file {path} holds no key")
-    return keys

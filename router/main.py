@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-from router.config import POLICIES, K8sConfig, RouterConfig, load_yaml, parse_worker_flag, read_secret_lines
+from common.secrets import read_secret, read_secret_lines
+from router.config import POLICIES, K8sConfig, RouterConfig, load_yaml, parse_worker_flag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,10 +113,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     if ns.api_key_file:
         kw["api_keys"] = read_secret_lines(ns.api_key_file)
     if ns.internal_token_file:
-        token = Path(ns.internal_token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"--internal-token-file {ns.internal_token_file} is empty")
-        kw["internal_token"] = token
+        kw["internal_token"] = read_secret(ns.internal_token_file, "--internal-token-file")
     k8s = K8sConfig(
         selector=ns.k8s_selector,
         namespace=ns.k8s_namespace,

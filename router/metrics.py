@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from engine.metrics import Histogram
 from router.registry import Registry
+from service.metrics import Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.http import error_body  # noqa: F401 (the router's modules import it from here)
+
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
 CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
@@ -39,11 +41,6 @@ class ProxyRequest:
 
     def decode_body(self, host: str, port: int, room: int) -> dict:
         return {**self.body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-
-
-def error_body(message: str, status: int, type_: str | None = None) -> dict:
-    kind = type_ or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 def sse_event(obj: Any) -> bytes:

@@ -21,10 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zmq
-
-from engine import messages as m
-from engine.config import ServerConfig
+from service import messages as m
+from service.channels import WorkerChannels
+from service.config import ServerConfig
 
 
 @dataclass
@@ -42,17 +41,13 @@ def _context_length(cfg: ServerConfig) -> tuple[int, int]:
 
 
 class StubWorker:
-    def __init__(self, cfg: ServerConfig, ipc_dir: str) -> None:
+    def __init__(self, cfg: ServerConfig) -> None:
         from tokenizers import Tokenizer
 
         self.cfg = cfg
         self.tok = Tokenizer.from_file(str(Path(cfg.engine.model) / "tokenizer.json"))
         self.delay = float(os.environ.get("PDSERVE_STUB_DELAY_S", "0.005"))
-        self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(f"ipc://{ipc_dir}/worker.sock")
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(f"ipc://{ipc_dir}/frontend.sock")
+        self.io = WorkerChannels(cfg.endpoints)
         self.active: dict[str, StubReq] = {}
         self.finished = 0
         ctx_len, vocab = _context_length(cfg)
@@ -62,7 +57,7 @@ class StubWorker:
                      "bootstrap_port": cfg.pd.bootstrap_port, "stub": True}
 
     def send(self, msg: object) -> None:
-        self.push.send(m.encode(msg))
+        self.io.outbox.send(msg)
 
     def add(self, msg: m.GenerateReq, outs: list[m.TokenOut]) -> None:
         prompt = self.tok.decode(msg.input_ids, skip_special_tokens=False)
@@ -73,7 +68,7 @@ class StubWorker:
                                    error="stub worker refused the request", error_code=500))
             return
         plan = list(reversed(msg.input_ids))
-        max_new = 1 if self.cfg.role == "prefill" else int(msg.sampling["max_new_tokens"])
+        max_new = 1 if self.cfg.role == "prefill" else msg.sampling.max_new_tokens
         self.active[msg.rid] = StubReq(msg=msg, plan=plan, max_new=max_new)
 
     def abort(self, msg: m.AbortReq, outs: list[m.TokenOut]) -> None:
@@ -96,14 +91,14 @@ class StubWorker:
                 out.input_logprobs = [-1.0] * (len(r.msg.input_ids) - 1)
                 r.sent_input_lp = True
         text = self.tok.decode(r.out, skip_special_tokens=False)
-        matched = next((s for s in sp.get("stop") or [] if s in text), None)
+        matched = next((s for s in sp.stop if s in text), None)
         if matched is not None:
             out.finished, out.finish_reason, out.matched_stop = True, "stop", matched
-        elif t in (sp.get("stop_token_ids") or []):
+        elif t in sp.stop_token_ids:
             out.finished, out.finish_reason, out.matched_stop = True, "stop", t
         elif len(r.out) >= r.max_new:
             out.finished, out.finish_reason = True, "length"
-        elif len(r.out) == len(r.plan) and not sp.get("ignore_eos"):  # like an EOS after one pass
+        elif len(r.out) == len(r.plan) and not sp.ignore_eos:  # like an EOS after one pass
             out.finished, out.finish_reason = True, "stop"
         return out
 
@@ -117,22 +112,24 @@ class StubWorker:
                                                  "count": 2}},
         })
 
+    def handle(self, msg: object, outs: list[m.TokenOut]) -> None:
+        if isinstance(msg, m.GenerateReq):
+            self.add(msg, outs)
+        elif isinstance(msg, m.AbortReq):
+            self.abort(msg, outs)
+        elif isinstance(msg, m.StatsReq):
+            self.send(self.stats(msg.token))
+
     def run(self) -> None:
         parent = os.getppid()
         self.send(m.StatsOut(token=-1, info=self.info))
-        poller = zmq.Poller()
-        poller.register(self.pull, zmq.POLLIN)
+        poller = self.io.poller
         while os.getppid() == parent:
             outs: list[m.TokenOut] = []
             deadline = time.monotonic() + (self.delay if self.active else 0.2)
             while (left := deadline - time.monotonic()) > 0 and poller.poll(left * 1000):
-                msg = m.decode(self.pull.recv())
-                if isinstance(msg, m.GenerateReq):
-                    self.add(msg, outs)
-                elif isinstance(msg, m.AbortReq):
-                    self.abort(msg, outs)
-                elif isinstance(msg, m.StatsReq):
-                    self.send(self.stats(msg.token))
+                for msg in self.io.inbox.recv_all():
+                    self.handle(msg, outs)
             for rid, r in list(self.active.items()):
                 out = self.step_one(r)
                 outs.append(out)
@@ -143,8 +140,8 @@ class StubWorker:
                 self.send(m.TokenBatch(outs=outs))
 
 
-def run_stub_worker(cfg: ServerConfig, ipc_dir: str) -> None:
-    StubWorker(cfg, ipc_dir).run()
+def run_stub_worker(cfg: ServerConfig) -> None:
+    StubWorker(cfg).run()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
@@ -165,7 +162,7 @@ def make_tokenizer_dir(dst: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from engine.launch import run_main
+    from service.launch import run_main
 
     role = "colocated"
     if "--role" in argv:

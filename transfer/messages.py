@@ -1,8 +1,8 @@
 """Typed control-plane messages of the KV transfer protocol (zmq + msgpack).
 
 Every message is a small dataclass; on the wire it is a msgpack map with `type` and `version`.
-`encode`/`decode` are the only codec; an unknown type, a version mismatch or a missing field
-raises ValueError, never a half-read message. Every message carries the sender's cluster `token`
+`encode`/`decode` are common.codec's one codec; an unknown type, a version mismatch or a missing
+field raises ValueError, never a half-read message. Every message carries the sender's cluster `token`
 (None when no token is configured); the receiving side checks it.
 
 decode -> prefill bootstrap server:  BootstrapQuery
@@ -14,11 +14,10 @@ prefill -> decode:                   TransferStatus(WAITING_FOR_INPUT ack), Chun
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+from common.codec import Codec
 
 VERSION = 1
 
@@ -120,36 +119,7 @@ Message = (
     BootstrapQuery | PrefillRegistration | TransferInfo | TransferStatus | ChunkManifest | Abort
     | AbortAck | Heartbeat
 )
-_TYPES: dict[str, type] = {
-    c.__name__: c
-    for c in (BootstrapQuery, PrefillRegistration, TransferInfo, TransferStatus, ChunkManifest, Abort,
-              AbortAck, Heartbeat)
-}
-
-
-def encode(msg: Any) -> bytes:
-    if type(msg).__name__ not in _TYPES:
-        raise ValueError(f"not a transfer message: {type(msg).__name__}")
-    d = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    d["type"] = type(msg).__name__
-    return msgpack.packb(d, use_bin_type=True)
-
-
-def decode(data: bytes) -> Any:
-    try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (msgpack.UnpackException, ValueError) as e:
-        raise ValueError(f"undecodable transfer message: {e}") from e
-    if not isinstance(d, dict) or "type" not in d:
-        raise ValueError("transfer message without a type")
-    name = d.pop("type")
-    cls = _TYPES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown transfer message type {name!r}")
-    if d.get("version") != VERSION:
-        raise ValueError(f"{name}: version {d.get('version')} != {VERSION}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in d.items() if k in known})
-    except TypeError as e:
-        raise ValueError(f"{name}: {e}") from e
+CODEC = Codec("transfer message", BootstrapQuery, PrefillRegistration, TransferInfo, TransferStatus,
+              ChunkManifest, Abort, AbortAck, Heartbeat)
+encode = CODEC.encode
+decode = CODEC.decode

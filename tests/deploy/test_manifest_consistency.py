@@ -131,7 +131,8 @@ def test_container_flags_are_accepted_by_pdserve_help(rendered_all: dict[str, Re
 
 
 def test_worker_flag_values_parse_and_validate(rendered: Rendered) -> None:
-    from engine.config import EngineConfig, PDConfig, add_server_args
+    from engine.config import EngineConfig
+    from service.config import PDConfig, add_server_args
 
     for role in WORKER_ROLES:
         parser = argparse.ArgumentParser(prog=f"pdserve {role}", exit_on_error=False)
@@ -238,7 +239,7 @@ def test_network_policy_admits_only_router_to_workers_and_decode_prefill(rendere
 
 
 def test_graceful_termination_and_probes(rendered: Rendered) -> None:
-    from engine.frontend import OPEN_PATHS
+    from service.frontend import OPEN_PATHS
 
     for comp in COMPONENTS:
         deploy = rendered.deployment(comp)

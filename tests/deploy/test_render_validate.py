@@ -128,7 +128,7 @@ def test_operations_doc_names_real_metrics_and_steps() -> None:
     for needed in ("kubectl -n pdserve create secret generic pdserve-tokens", "scale deploy/pdserve-prefill",
                    "scale deploy/pdserve-decode", "overlays/cpu-demo", "Troubleshooting a stuck transfer"):
         assert needed in doc, needed
-    source = "\n".join(p.read_text() for d in ("router", "engine", "prefill_service", "decode_service")
+    source = "\n".join(p.read_text() for d in ("router", "engine", "service", "common", "colocated_service", "prefill_service", "decode_service")
                        for p in (ROOT / d).rglob("*.py"))
     named = set(re.findall(r"\bpdserve_[a-z_]+[a-z]\b", doc))
     assert len(named) >= 10

@@ -1,13 +1,13 @@
-"""Prometheus exposition (engine/metrics.py) and response building (engine/responses.py)."""
+"""Prometheus exposition (service/metrics.py) and response building (service/responses.py)."""
 
 from __future__ import annotations
 
 import json
 
-from engine.messages import TokenOut
-from engine.metrics import FrontendMetrics, Histogram, render_worker_info
-from engine.protocol import Limits, parse_chat, parse_generate
-from engine.responses import RequestTracker, final_body, stream_chunks
+from service.messages import TokenOut
+from service.metrics import FrontendMetrics, Histogram, render_worker_info
+from service.protocol import Limits, parse_chat, parse_generate
+from service.responses import RequestTracker, final_body, stream_chunks
 
 
 def test_histogram_is_cumulative() -> None:

@@ -1,13 +1,13 @@
-"""Request parsing and validation (engine/protocol.py): no processes, a toy tokenizer."""
+"""Request parsing and validation (service/protocol.py): no processes, a toy tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.protocol import (
+from common.http import error_body
+from service.protocol import (
     Limits,
     RequestError,
-    error_body,
     parse_abort,
     parse_chat,
     parse_completion,
@@ -50,8 +50,8 @@ def test_generate_text_and_defaults() -> None:
     p = parse_generate({"text": "hello", "rid": "r1"}, TOK, COLO)
     assert p.kind == "generate" and p.req.rid == "r1"
     assert p.req.input_ids == TOK.encode("hello")
-    assert p.req.sampling["max_new_tokens"] == 59  # default 128 capped to 64 - 5
-    assert p.req.sampling["temperature"] == 1.0
+    assert p.req.sampling.max_new_tokens == 59  # default 128 capped to 64 - 5
+    assert p.req.sampling.temperature == 1.0
     assert p.req.bootstrap_room is None and not p.req.stream
 
 
@@ -60,7 +60,7 @@ def test_generate_input_ids_sampling_and_flags() -> None:
             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop": "x", "n": 1}}
     p = parse_generate(body, TOK, COLO)
     assert p.req.input_ids == [1, 2, 3] and p.req.stream and p.req.return_logprob
-    assert p.req.sampling["max_new_tokens"] == 4 and p.req.sampling["stop"] == ["x"]
+    assert p.req.sampling.max_new_tokens == 4 and p.req.sampling.stop == ("x",)
     assert p.stop == ("x",) and p.logprobs
     assert len(p.req.rid) == 32  # generated uuid hex
 
@@ -96,7 +96,7 @@ def test_generate_rejects(body: dict, match: str) -> None:
 
 def test_prompt_at_context_limit_minus_one_fits_with_one_token() -> None:
     p = parse_generate({"text": "x" * 63, "sampling_params": {"max_new_tokens": 50}}, TOK, COLO)
-    assert p.req.sampling["max_new_tokens"] == 1
+    assert p.req.sampling.max_new_tokens == 1
 
 
 @pytest.mark.parametrize("patch,match", [
@@ -133,8 +133,8 @@ def test_completion_mapping() -> None:
             "stream_options": {"include_usage": True}, "user": "u", "presence_penalty": 0}
     p = parse_completion(body, TOK, COLO)
     s = p.req.sampling
-    assert (s["max_new_tokens"], s["temperature"], s["top_p"], s["seed"]) == (7, 0.5, 0.9, 3)
-    assert s["stop"] == ["\n"] and p.include_usage and p.logprobs and p.req.stream
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.seed) == (7, 0.5, 0.9, 3)
+    assert s.stop == ("\n",) and p.include_usage and p.logprobs and p.req.stream
     assert parse_completion({"prompt": [5, 6]}, TOK, COLO).req.input_ids == [5, 6]
     assert parse_completion({"prompt": ["ab"]}, TOK, COLO).req.input_ids == TOK.encode("ab")
 
@@ -168,7 +168,7 @@ def test_chat_content_string_and_text_parts() -> None:
     p = parse_chat({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": parts}],
                     "max_completion_tokens": 3, "max_tokens": 9, "logprobs": True}, TOK, COLO)
     assert p.req.input_ids == TOK.encode("system: s\nuser: a\nb\nassistant: ")
-    assert p.req.sampling["max_new_tokens"] == 3 and p.logprobs and p.kind == "chat"
+    assert p.req.sampling.max_new_tokens == 3 and p.logprobs and p.kind == "chat"
 
 
 @pytest.mark.parametrize("body,match", [

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.config import EMBEDDED_MODEL
-from engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextStream, Tokenizer, load_tokenizer
+from service.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextStream, Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello, world! How are you today?",

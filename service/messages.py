@@ -1,8 +1,12 @@
 """Typed messages between a service's frontend process and its worker process.
 
-Every message is a small dataclass. On the wire (zmq over ipc) it is a msgpack map with a `type`
-and a `version` field; `encode`/`decode` are the only codec. An unknown type or a version mismatch
-raises `ValueError` on decode, never a half-read message.
+Every message is a small dataclass. On the wire (zmq over ipc, `service.channels`) it is a msgpack map
+with a `type` and a `version` field; `encode`/`decode` are common.codec's one codec (the transfer
+messages use it too). An unknown type, a version mismatch or a bad field raises `ValueError` on
+decode, never a half-read message.
+
+A GenerateReq is already valid when it is built (the frontend parsed the HTTP body once: sampling
+parameters, prompt, bootstrap fields); the worker only checks what only it knows (KV capacity).
 
 Direction frontend -> worker: GenerateReq, AbortReq, StatsReq.
 Direction worker -> frontend: TokenBatch, StatsOut.
@@ -10,25 +14,26 @@ Direction worker -> frontend: TokenBatch, StatsOut.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
+from common.codec import Codec
+from engine.sampling_params import SamplingParams
 
 VERSION = 1
 
 
 @dataclass
 class GenerateReq:
-    """A tokenized request. `sampling` holds SamplingParams fields (engine/request.py)."""
+    """A tokenized, validated request (service.protocol builds it; nothing downstream re-parses it)."""
 
     rid: str
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     stream: bool = False
     return_logprob: bool = False
-    # PD fields (None in colocated mode)
+    # PD fields: validated by the frontend on prefill/decode (host, port 1..65535, room 0..2^63-1),
+    # None in colocated mode
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -91,42 +96,6 @@ class StatsOut:
     version: int = VERSION
 
 
-_TYPES: dict[str, type] = {
-    c.__name__: c for c in (GenerateReq, AbortReq, StatsReq, TokenOut, TokenBatch, StatsOut)
-}
-
-
-def _to_wire(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        d = {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        d["type"] = type(obj).__name__
-        return d
-    if isinstance(obj, list | tuple):
-        return [_to_wire(x) for x in obj]
-    return obj
-
-
-def _from_wire(d: Any) -> Any:
-    if isinstance(d, dict) and "type" in d:
-        name = d.pop("type")
-        cls = _TYPES.get(name)
-        if cls is None:
-            raise ValueError(f"unknown message type {name!r}")
-        if "version" in d and d["version"] != VERSION:
-            raise ValueError(f"{name}: version {d['version']} != {VERSION}")
-        if cls is TokenBatch:
-            d["outs"] = [_from_wire(o) for o in d["outs"]]
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-    return d
-
-
-def encode(msg: Any) -> bytes:
-    return msgpack.packb(_to_wire(msg), use_bin_type=True)
-
-
-def decode(data: bytes) -> Any:
-    obj = _from_wire(msgpack.unpackb(data, raw=False, strict_map_key=False))
-    if not dataclasses.is_dataclass(obj):
-        raise ValueError("message without a type")
-    return obj
+CODEC = Codec("service message", GenerateReq, AbortReq, StatsReq, TokenOut, TokenBatch, StatsOut)
+encode = CODEC.encode
+decode = CODEC.decode

@@ -1,9 +1,9 @@
 """The HTTP side of every service (prefill, decode, colocated): one FastAPI app.
 
 Request path:
-  1. (internal token check) -> JSON body -> `engine.protocol.parse_*` (400 on any bad field)
-  2. GenerateReq -> worker over zmq (`engine.launch.WorkerBridge`); the rid's queue collects TokenOuts
-  3. TokenOuts -> `engine.responses.RequestTracker` (incremental detokenizer, stop trimming)
+  1. (internal token check) -> JSON body -> `service.protocol.parse_*` (400 on any bad field)
+  2. GenerateReq -> worker over zmq (`service.launch.WorkerBridge`); the rid's queue collects TokenOuts
+  3. TokenOuts -> `service.responses.RequestTracker` (incremental detokenizer, stop trimming)
   4. one JSON body, or SSE chunks then `data: [DONE]`; a client that goes away gets its rid aborted
   5. one log line per request: rid, room, tokens, ttft, e2e; TTFT/ITL/e2e histograms
 
@@ -27,34 +27,33 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.config import ServerConfig
-from engine.messages import AbortReq
-from engine.metrics import CONTENT_TYPE, FrontendMetrics, render_worker_info
-from engine.protocol import (
+from common.http import TOKEN_HEADER, error_body
+from service.config import ServerConfig
+from service.messages import AbortReq
+from service.metrics import CONTENT_TYPE, FrontendMetrics, render_worker_info
+from service.protocol import (
     Limits,
     ParsedRequest,
     RequestError,
-    error_body,
     parse_abort,
     parse_chat,
     parse_completion,
     parse_generate,
     parse_json_body,
 )
-from engine.responses import DONE, RequestTracker, final_body, sse, stream_chunks
+from service.responses import DONE, RequestTracker, final_body, sse, stream_chunks
 
 log = logging.getLogger("pdserve.frontend")
 
 MAX_BODY_BYTES = 32 << 20
-TOKEN_HEADER = b"x-pdserve-token"
 OPEN_PATHS = ("/health", "/metrics")  # probes and Prometheus scrapes carry no token
 
 
 @dataclass
 class FrontendState:
     config: ServerConfig
-    bridge: Any  # engine.launch.WorkerBridge (or a test double with the same methods)
-    tokenizer: Any  # engine.tokenizer.Tokenizer
+    bridge: Any  # service.launch.WorkerBridge (or a test double with the same methods)
+    tokenizer: Any  # service.tokenizer.Tokenizer
     model_dir: str
     worker_pid: int = 0
     draining: bool = False
@@ -87,10 +86,11 @@ class TokenAuth:
 
     def __init__(self, app: Any, token: str) -> None:
         self.app, self.token = app, token.encode()
+        self.header = TOKEN_HEADER.encode()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(TOKEN_HEADER, b"")
+            given = dict(scope.get("headers") or []).get(self.header, b"")
             if not hmac.compare_digest(given, self.token):
                 await _error("missing or wrong x-pdserve-token header", 401)(scope, receive, send)
                 return

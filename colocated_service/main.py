@@ -2,7 +2,7 @@
 product and the baseline of every PD measurement.
 
 Processes: this frontend (FastAPI/uvicorn, tokenizer, detokenizer) and one worker
-(`engine.worker:run_colocated_worker`: model, KV pool, scheduler loop), joined by zmq over ipc.
+(`colocated_service.worker:run_colocated_worker`: model, KV pool, scheduler loop), joined by zmq over ipc.
 Bootstrap fields in request bodies are accepted and ignored.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from engine.launch import run_main
+from service.launch import run_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("colocated", "engine.worker:run_colocated_worker", argv, __doc__)
+    return run_main("colocated", "colocated_service.worker:run_colocated_worker", argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import json
 import time
 from typing import Any
 
-from engine.messages import TokenOut
-from engine.protocol import ParsedRequest
-from engine.tokenizer import TextStream, Tokenizer
+from service.messages import TokenOut
+from service.protocol import ParsedRequest
+from service.tokenizer import TextStream, Tokenizer
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,16 +1,17 @@
 """Process plumbing of one service: worker process, zmq bridge, uvicorn, graceful drain.
 
     serve(config, worker_entry)
-      1. resolve the model directory (converting the embedded model once), make the ipc dir
-      2. spawn the worker: worker_entry(config, ipc_dir) in a `spawn` child process
+      1. resolve the model directory (converting the embedded model once), make the ipc dir (it goes
+         into the config: both processes derive the channel addresses from `config.endpoints`)
+      2. spawn the worker: worker_entry(config) in a `spawn` child process
       3. load the tokenizer while the worker loads the model
       4. bind the frontend's zmq PULL, run uvicorn; /health is 503 until the worker's ready
          StatsOut(token=-1) arrives, 503 again if the worker dies (pending requests get 503)
       5. SIGTERM/SIGINT: drain (health 503, new requests 503, in-flight ones finish within the
          grace period), stop uvicorn, stop the worker, exit 0
 
-zmq layout: the worker binds PULL `ipc://{ipc_dir}/worker.sock`, the frontend binds PULL
-`ipc://{ipc_dir}/frontend.sock`, each connects a PUSH to the other's.
+zmq layout: service.channels (the worker binds `to_worker`, the frontend binds `to_frontend`, each
+connects a PUSH to the other's).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
-import itertools
 import logging
 import multiprocessing as mp
 import shutil
@@ -29,112 +30,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
-import zmq
-import zmq.asyncio
 
-from engine.config import ServerConfig
-from engine.messages import AbortReq, GenerateReq, StatsOut, StatsReq, TokenBatch, TokenOut, decode, encode
+from service.bridge import WorkerBridge
+from service.config import ServerConfig
+from service.messages import AbortReq
 
 log = logging.getLogger("pdserve.launch")
 
-WorkerEntry = Callable[[ServerConfig, str], None]
+WorkerEntry = Callable[[ServerConfig], None]
 DEFAULT_DRAIN_GRACE_S = 30.0
-
-
-class WorkerBridge:
-    """The frontend's side of the zmq link: per-request queues of TokenOut, stats round trips."""
-
-    def __init__(self, ipc_dir: str) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.bind(f"ipc://{ipc_dir}/frontend.sock")
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.connect(f"ipc://{ipc_dir}/worker.sock")
-        self.streams: dict[str, asyncio.Queue[TokenOut]] = {}
-        self.stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.tokens = itertools.count(1)
-        self.ready = asyncio.Event()
-        self.info: dict[str, Any] = {}
-        self.alive = True
-        self.dead_reason = ""
-        self._bg: set[asyncio.Task[Any]] = set()
-
-    @property
-    def usable(self) -> bool:
-        return self.alive and self.ready.is_set()
-
-    async def run(self) -> None:
-        """Reader loop: route TokenOuts to their request queues, StatsOuts to their waiters."""
-        while True:
-            data = await self.pull.recv()
-            try:
-                msg = decode(data)
-            except (ValueError, TypeError) as e:
-                log.error("dropping a bad message from the worker: %s", e)
-                continue
-            if isinstance(msg, TokenBatch):
-                for out in msg.outs:
-                    q = self.streams.get(out.rid)
-                    if q is not None:
-                        q.put_nowait(out)
-            elif isinstance(msg, StatsOut):
-                if msg.token == -1:
-                    self.info = dict(msg.info)
-                    self.ready.set()
-                    log.info("worker ready: %s", {k: self.info.get(k) for k in ("model_path", "role")})
-                else:
-                    fut = self.stats_waiters.pop(msg.token, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(dict(msg.info))
-
-    def open(self, rid: str) -> asyncio.Queue[TokenOut]:
-        if rid in self.streams:
-            raise KeyError(rid)
-        q: asyncio.Queue[TokenOut] = asyncio.Queue()
-        self.streams[rid] = q
-        return q
-
-    def close(self, rid: str) -> None:
-        self.streams.pop(rid, None)
-
-    async def send(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
-        await self.push.send(encode(msg))
-
-    def send_soon(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
-        """Fire-and-forget send (from finally blocks of cancelled streams)."""
-        task = asyncio.get_running_loop().create_task(self.send(msg))
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
-
-    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        """Ask the worker for its counters; None when it does not answer in time."""
-        if not self.usable:
-            return None
-        token = next(self.tokens)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.stats_waiters[token] = fut
-        try:
-            await self.send(StatsReq(token=token))
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            log.warning("worker did not answer a stats request within %.1fs", timeout)
-            return None
-        finally:
-            self.stats_waiters.pop(token, None)
-
-    def fail_all(self, reason: str) -> None:
-        """The worker is gone: every pending request ends with a 503."""
-        self.alive = False
-        self.dead_reason = reason
-        for rid, q in list(self.streams.items()):
-            q.put_nowait(TokenOut(rid=rid, new_token_ids=[], finished=True, finish_reason="error",
-                                  error=reason, error_code=503))
-
-    def shutdown(self) -> None:
-        self.pull.close(0)
-        self.push.close(0)
-        self.ctx.term()
 
 
 @contextlib.contextmanager
@@ -163,7 +67,7 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
           drain_grace_s: float = DEFAULT_DRAIN_GRACE_S) -> int:
     """Run a service (frontend in this process, worker in a child) until SIGTERM; returns the exit code."""
     from engine.models.embedded import resolve_model_path
-    from engine.tokenizer import load_tokenizer
+    from service.tokenizer import load_tokenizer
 
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -173,13 +77,14 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
         log.error("%s", e)
         return 2
     with _ipc_dir(config) as ipc_dir:
-        proc = mp.get_context("spawn").Process(target=worker_entry, args=(config, ipc_dir),
+        config = dataclasses.replace(config, ipc_dir=ipc_dir)
+        proc = mp.get_context("spawn").Process(target=worker_entry, args=(config,),
                                                name=f"pdserve-{config.role}-worker")
         proc.start()
         log.info("%s worker started: pid %s, ipc %s", config.role, proc.pid, ipc_dir)
         try:
             tokenizer = load_tokenizer(model_dir)
-            return asyncio.run(_serve_async(config, proc, ipc_dir, tokenizer, str(model_dir), drain_grace_s))
+            return asyncio.run(_serve_async(config, proc, tokenizer, str(model_dir), drain_grace_s))
         finally:
             _stop_worker(proc)
             log.info("%s service stopped", config.role)
@@ -195,11 +100,11 @@ async def _watch_worker(proc: mp.process.BaseProcess, bridge: WorkerBridge,
     on_dead()
 
 
-async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, ipc_dir: str, tokenizer: Any,
+async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, tokenizer: Any,
                        model_dir: str, drain_grace_s: float) -> int:
-    from engine.frontend import FrontendState, create_app
+    from service.frontend import FrontendState, create_app
 
-    bridge = WorkerBridge(ipc_dir)
+    bridge = WorkerBridge(config.endpoints)
     state = FrontendState(config=config, bridge=bridge, tokenizer=tokenizer, model_dir=model_dir,
                           worker_pid=proc.pid or 0)
     app = create_app(state)
@@ -270,7 +175,7 @@ def run_main(role: str, worker_entry: str, argv: list[str] | None, description: 
 
     `worker_entry` is "module:function", imported only after the flags parsed.
     """
-    from engine.config import add_server_args, server_config_from_args
+    from service.config import add_server_args, server_config_from_args
 
     p = argparse.ArgumentParser(prog=f"pdserve {role}", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

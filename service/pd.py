@@ -1,5 +1,5 @@
 """Pieces the prefill and decode workers share: the transfer manager of a worker, the KV
-compatibility record, bootstrap-field checks and the worker-side transfer metrics.
+compatibility record, the worker-side admission of a PD request and the transfer metrics.
 
 Services never import each other; both import this.
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from engine import messages as m
-from engine.config import ServerConfig
-from engine.metrics import Histogram
+from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import Req
-from engine.scheduler import validate_prompt
-from engine.worker import error_out, req_from_msg
+from service import messages as m
+from service.config import ServerConfig
+from service.metrics import Histogram
+from service.worker import error_out, req_from_msg
 from transfer import CompatInfo, TransferConfig, TransferError, TransferManager
 
 KV_LAYOUT = "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
@@ -39,28 +39,11 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
     return TransferManager(tc, runner.pool.buffer, compat_info(runner))
 
 
-def bootstrap_error(req: Req, role: str) -> str | None:
-    """A message when the request lacks what a PD worker needs to find its peer."""
-    if req.bootstrap_room is None or not 0 <= req.bootstrap_room < 2**63:
-        return f"{role} requests need bootstrap_room, an integer in [0, 2^63)"
-    if role == "decode":
-        if not req.bootstrap_host:
-            return "decode requests need bootstrap_host (the prefill's advertised address)"
-        if req.bootstrap_port is None or not 0 < req.bootstrap_port < 65536:
-            return "decode requests need bootstrap_port in 1..65535"
-    return None
-
-
-def parse_pd_request(msg: m.GenerateReq, role: str, runner: ModelRunner) -> tuple[Req | None, m.TokenOut | None]:
-    """(the request, None), or (None, the 400 that answers it): bad sampling parameters, missing or
-    invalid bootstrap fields, an empty prompt or one the context or the KV pool cannot hold."""
-    try:
-        req = req_from_msg(msg)
-    except ValueError as e:
-        return None, error_out(msg.rid, str(e), 400)
-    err = bootstrap_error(req, role) or validate_prompt(
-        req, runner.context_length, runner.pool.allocator.capacity, runner.page_size)
-    return (None, error_out(msg.rid, err, 400)) if err else (req, None)
+def pd_request(msg: m.GenerateReq, kv: KVManager) -> tuple[Req | None, m.TokenOut | None]:
+    """(the request, None), or (None, the 400 that answers it) when the prompt can never fit this
+    worker's KV pool: the one check only the worker can make (the frontend validated the rest)."""
+    err = kv.capacity_error(len(msg.input_ids))
+    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg), None)
 
 
 def transfer_error(err: TransferError | None) -> tuple[str, int]:

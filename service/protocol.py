@@ -1,4 +1,5 @@
-"""HTTP request parsing and validation: JSON bodies -> `ParsedRequest` (a GenerateReq + how to answer).
+"""HTTP request parsing and validation, the one parse of a request: JSON bodies -> `ParsedRequest`
+(a typed, valid GenerateReq + how to answer). The worker trusts it and checks only KV capacity.
 
 Three request kinds share one path:
   generate     native `POST /generate` (SGLang style: text | input_ids, sampling_params dict)
@@ -6,7 +7,7 @@ Three request kinds share one path:
   chat         `POST /v1/chat/completions` (OpenAI; content is a string or a list of text parts)
 
 Every problem raises `RequestError` (HTTP status + message); nothing here touches a process or a
-socket, so it is unit-tested directly. Response bodies are built in `engine/frontend.py`.
+socket, so it is unit-tested directly. Response bodies are built in `service/frontend.py`.
 
 PD wire format: the router adds `bootstrap_host`, `bootstrap_port`, `bootstrap_room` to the body it
 posts to both prefill and decode. They are required on prefill/decode roles, ignored on colocated.
@@ -21,8 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.messages import AbortReq, GenerateReq
 from engine.sampling_params import SamplingParams
+from service.messages import AbortReq, GenerateReq
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
@@ -41,12 +42,6 @@ class RequestError(Exception):
         self.message = message
         self.status = status
         self.err_type = err_type
-
-
-def error_body(message: str, status: int, err_type: str | None = None) -> dict[str, Any]:
-    if err_type is None:
-        err_type = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": err_type, "code": status}}
 
 
 @dataclass(frozen=True)
@@ -163,7 +158,7 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
           stream: bool, logprobs: bool) -> ParsedRequest:
     host, port, room = parse_bootstrap(body, limits.role)
-    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp.to_dict(), stream=stream,
+    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream,
                       return_logprob=logprobs, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
     return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs)
@@ -287,7 +282,7 @@ def _message_text(i: int, msg: Any) -> dict[str, str]:
 
 def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """OpenAI /v1/chat/completions."""
-    from engine.tokenizer import ChatTemplateError
+    from service.tokenizer import ChatTemplateError
 
     _check_neutral(body, "")
     _opt(body, "model", (str,), "a string")

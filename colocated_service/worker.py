@@ -1,0 +1,59 @@
+"""Colocated worker: one engine doing mixed chunked prefill and continuous decode.
+
+Lifecycle of one request here (the whole path: docs/architecture.md):
+  1. the frontend parsed and tokenized it once; `add` hands the Req to the Scheduler (`waiting`)
+  2. each step: reload retracted requests, grow running ones by a page (retracting when pages run
+     out), plan prompt chunks under the token budget and the admission rule, one forward for all
+  3. every sampled token goes back to the frontend in a TokenBatch; finished requests free every page
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from service import messages as m
+from service.channels import WorkerChannels
+from service.config import ServerConfig
+from service.worker import req_from_msg, run_loop, setup_logging, token_out
+
+
+class ColocatedRole:
+    """The colocated scheduler over an injected runner and KV manager (no transfer manager)."""
+
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> None:
+        self.runner, self.kv = runner, kv
+        self.sched = Scheduler(runner, cfg, kv)
+
+    def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
+        self.sched.add(req_from_msg(msg))  # a prompt the KV pool can never hold is reported at the next step
+        return []
+
+    def abort(self, msg: m.AbortReq) -> None:
+        self.sched.abort(msg.rid, msg.room, msg.abort_all, msg.reason)
+
+    def has_work(self) -> bool:
+        return self.sched.has_work() or bool(self.sched.outbox)
+
+    def step(self) -> list[m.TokenOut]:
+        if not self.sched.has_work():
+            out, self.sched.outbox = self.sched.outbox, []
+            return [token_out(r) for r in out]
+        return [token_out(r) for r in self.sched.step()]
+
+    def stats(self) -> dict:
+        return self.sched.stats()
+
+    def wait(self, io: WorkerChannels) -> None:
+        io.wait(1000)
+
+    def close(self) -> None:
+        pass
+
+
+def run_colocated_worker(cfg: ServerConfig) -> None:
+    setup_logging(cfg)
+    runner = ModelRunner(cfg.engine)
+    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool))
+    run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

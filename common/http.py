@@ -1,0 +1,14 @@
+"""What every HTTP answer of pdserve shares: the OpenAI-style error body and the internal-token header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+TOKEN_HEADER = "x-pdserve-token"  # router -> worker requests carry the internal token here
+
+
+def error_body(message: str, status: int, err_type: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "code"}}`; type defaults by status (4xx client, 5xx server)."""
+    if err_type is None:
+        err_type = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": err_type, "code": status}}

@@ -1,0 +1,106 @@
+"""The worker process side shared by every role: the step loop, token reports, the Role protocol.
+
+Loop (`run_loop`): take messages -> `role.step()` (schedule, run one forward, process results)
+-> report tokens; a role with nothing to compute blocks in `role.wait()`. Roles live in their
+services (colocated_service, prefill_service, decode_service) and receive their collaborators
+(runner, KV manager, transfer manager) in their constructors, so tests can step them in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Protocol
+
+from engine.request import FinishReason, Req
+from service import messages as m
+from service.channels import WorkerChannels
+from service.config import ServerConfig
+
+log = logging.getLogger("pdserve.worker")
+
+
+def req_from_msg(msg: m.GenerateReq) -> Req:
+    """The engine's request for an already-validated GenerateReq."""
+    return Req(
+        rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling, stream=msg.stream,
+        return_logprob=msg.return_logprob, bootstrap_host=msg.bootstrap_host,
+        bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
+    )
+
+
+def token_out(r: Req) -> m.TokenOut:
+    """What r produced since the last report; marks it reported."""
+    new = r.output_ids[r.sent_tokens :]
+    lps = r.output_logprobs[r.sent_tokens :] if r.return_logprob else []
+    r.sent_tokens = len(r.output_ids)
+    inp: list[float] = []
+    if r.return_logprob and not r.input_logprobs_sent and r.input_logprobs:
+        inp, r.input_logprobs_sent = list(r.input_logprobs), True
+    return m.TokenOut(
+        rid=r.rid, new_token_ids=list(new), new_logprobs=list(lps), input_logprobs=inp,
+        finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
+        matched_stop=r.matched_stop, error=r.error, error_code=r.error_code,
+        prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+    )
+
+
+def error_out(rid: str, message: str, code: int) -> m.TokenOut:
+    return m.TokenOut(rid=rid, new_token_ids=[], finished=True, finish_reason=FinishReason.ERROR.value,
+                      error=message, error_code=code)
+
+
+class Role(Protocol):
+    def add(self, msg: m.GenerateReq) -> list[m.TokenOut]: ...
+    def abort(self, msg: m.AbortReq) -> None: ...
+    def has_work(self) -> bool: ...
+    def step(self) -> list[m.TokenOut]: ...
+    def stats(self) -> dict: ...
+    def wait(self, io: WorkerChannels) -> None: ...  # block until a message, a transfer event or a timer
+    def close(self) -> None: ...
+
+
+def setup_logging(cfg: ServerConfig) -> None:
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s {cfg.role}-worker %(levelname)s %(name)s: %(message)s")
+
+
+def handle(role: Role, msg: m.GenerateReq | m.AbortReq) -> list[m.TokenOut]:
+    """Hand one frontend message to the role (StatsReq is answered by the loop)."""
+    if isinstance(msg, m.GenerateReq):
+        return role.add(msg)
+    role.abort(msg)
+    return []
+
+
+def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
+    io = WorkerChannels(cfg.endpoints)
+    stopping = False
+
+    def on_term(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
+    parent = os.getppid()
+    io.outbox.send(m.StatsOut(token=-1, info={**info, "ready": True}))
+    log.info("worker ready: %s", {k: info[k] for k in ("role", "model_path", "max_total_tokens") if k in info})
+    try:
+        while not stopping and os.getppid() == parent:
+            if not role.has_work():
+                role.wait(io)
+            outs: list[m.TokenOut] = []
+            for msg in io.inbox.recv_all():
+                if isinstance(msg, m.StatsReq):
+                    io.outbox.send(m.StatsOut(token=msg.token, info={**info, **role.stats(), "time": time.time()}))
+                else:
+                    outs.extend(handle(role, msg))
+            outs.extend(role.step())
+            if outs:
+                io.outbox.send(m.TokenBatch(outs=outs))
+    finally:
+        role.close()
+        io.close()
