@@ -16,16 +16,18 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common.procs import Child, free_port, stop_all, wait_until  # noqa: E402
+
 BODY = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
 
 
@@ -55,31 +57,9 @@ def null_app(role: str, port: int):
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
-
-def _wait_ok(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
+def _spawn(name: str, args: list[str], log_dir: Path, url: str) -> Child:
+    return Child(name, [sys.executable, *args], log_dir / f"{name}.log", url=url, env={"PYTHONPATH": str(ROOT)},
+                 cwd=ROOT)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -167,38 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in a.concurrency.split(",")]
     if a.requests < 1 or not levels or min(levels) < 1:
         p.error("--requests and every --concurrency level must be >= 1")
-    pp, dp, rp = _free_port(), _free_port(), _free_port()
+    pp, dp, rp = free_port(), free_port(), free_port()
     me = str(Path(__file__).resolve())
+    log_dir = Path(tempfile.mkdtemp(prefix="router-overhead-"))
+    router = ["-m", "router.main", "--port", str(rp), "--prefill", f"http://127.0.0.1:{pp}",
+              "--decode", f"http://127.0.0.1:{dp}", "--log-level", "warning"]
     procs = [
-        _spawn([me, "--serve-null", f"prefill:{pp}"]),
-        _spawn([me, "--serve-null", f"decode:{dp}"]),
-        _spawn(
-            [
-                "-m",
-                "router.main",
-                "--port",
-                str(rp),
-                "--prefill",
-                f"http://127.0.0.1:{pp}",
-                "--decode",
-                f"http://127.0.0.1:{dp}",
-                "--log-level",
-                "warning",
-            ]
-        ),
+        _spawn("prefill", [me, "--serve-null", f"prefill:{pp}"], log_dir, f"http://127.0.0.1:{pp}"),
+        _spawn("decode", [me, "--serve-null", f"decode:{dp}"], log_dir, f"http://127.0.0.1:{dp}"),
+        _spawn("router", router, log_dir, f"http://127.0.0.1:{rp}"),
     ]
     try:
-        _wait_ok(f"http://127.0.0.1:{pp}/health", procs[0])
-        _wait_ok(f"http://127.0.0.1:{dp}/health", procs[1])
-        _wait_ok(f"http://127.0.0.1:{rp}/health", procs[2])
+        for c in procs:
+            wait_until(c.healthy, 60, f"{c.name} healthy", interval=0.1)
         result = measure(
             f"http://127.0.0.1:{dp}/generate", f"http://127.0.0.1:{rp}/generate", a.requests, levels
         )
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(10)
+        stop_all(procs, 10)
     result["cpu_count"] = os.cpu_count()
     print(_table(result))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 """The one msgpack codec of pdserve's wire messages (frontend <-> worker, prefill <-> decode control).
 
-A message is a dataclass with a `version` field. On the wire it is a msgpack map of its fields plus
-`type` (the class name). A `Codec` knows a closed set of message classes and one strictness for all:
-an undecodable frame, a missing or unknown type, a version other than the class's default, a
-missing or ill-typed field raise `ValueError` on decode, never a half-read message. Unknown extra
-keys are ignored (a newer peer may add optional fields within one version).
+A message is a dataclass with a `version` field; a part nested inside a message (a TokenOut inside
+a TokenBatch) may have none and travels with its message's version. On the wire a message is a
+msgpack map of its fields plus `type` (the class name). A `Codec` knows a closed set of classes and
+has one strictness for all: an undecodable frame, a missing or unknown type, a version other than
+the class's default, a missing or ill-typed field raise `ValueError` on decode, never a half-read
+message. Unknown extra keys are ignored (a newer peer may add optional fields within one version).
 
 Nested values: a registered dataclass inside a field (a list of them too) travels as its own typed
 map. A field value whose class has `to_dict()` and a `from_dict(d)` classmethod (a frozen value
@@ -59,8 +60,8 @@ class Codec:
         cls = self.types.get(name) if isinstance(name, str) else None
         if cls is None:
             raise ValueError(f"unknown {self.name} type {name!r}")
-        want = next(f.default for f in dataclasses.fields(cls) if f.name == "version")
-        if d.get("version") != want:
+        want = next((f.default for f in dataclasses.fields(cls) if f.name == "version"), None)
+        if want is not None and d.get("version") != want:
             raise ValueError(f"{name}: version {d.get('version')} != {want}")
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):

@@ -25,11 +25,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common.procs import free_port
 from loadtest.client import ClientConfig, fetch_model
 from loadtest.metrics import RequestResult, fmt_ms, summarize_by_tag
 from loadtest.report import write_plots
 from loadtest.runner import ArrivalConfig, run
-from loadtest.services import LocalServices, free_port
+from loadtest.services import LocalServices
 from loadtest.workload import SyntheticConfig, load_tokenizer, synthetic
 
 MODES = ("pd", "colocated")

@@ -4,37 +4,28 @@
         svc.spawn("decode", [sys.executable, "-m", "pdserve", "decode", ...])
         svc.wait_healthy(["http://127.0.0.1:30001/health"], timeout_s=300)
 
-Each process runs in its own session (process group); teardown sends SIGTERM to each group, then
-SIGKILL after a grace period. SIGTERM to the experiment itself becomes SystemExit so teardown runs.
+The processes are common.procs children (own session, log per name); teardown stops them all
+(SIGTERM, SIGKILL after a grace period). SIGTERM to the experiment itself becomes SystemExit so
+teardown runs.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
-import httpx
+from common.procs import Child, http_ok, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE_ENV = {"PYTHONPATH": str(REPO), "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n",
                "PYTHONUNBUFFERED": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalServices:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = Path(log_dir)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._logs: list = []
+        self.procs: dict[str, Child] = {}
 
     def __enter__(self) -> LocalServices:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -47,57 +38,32 @@ class LocalServices:
         finally:
             signal.signal(signal.SIGTERM, self._old)
 
-    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], env: dict | None = None) -> Child:
         if name in self.procs:
             raise ValueError(f"a service called {name} is already running")
-        logf = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop_all)
-        self._logs.append(logf)
-        p = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                             env=os.environ | SERVICE_ENV | (env or {}))
-        self.procs[name] = p
-        return p
+        child = Child(name, argv, self.log_dir / f"{name}.log", env={**SERVICE_ENV, **(env or {})}, cwd=REPO)
+        self.procs[name] = child
+        return child
 
     def wait_healthy(self, urls: list[str], timeout_s: float) -> None:
         """Poll each URL until 200; RuntimeError naming the log when a process exits or time runs out."""
         deadline = time.monotonic() + timeout_s
         pending = list(urls)
         while pending:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}; see {self.log_dir}/{name}.log")
+            for name, c in self.procs.items():
+                if not c.alive():
+                    raise RuntimeError(f"{name} exited with {c.popen.returncode}; see {c.log_path}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not healthy after {timeout_s} s: {pending} (logs in {self.log_dir})")
-            try:
-                if httpx.get(pending[0], timeout=2).status_code == 200:
-                    pending.pop(0)
-                    continue
-            except httpx.HTTPError:
-                pass
+            if http_ok(pending[0]):
+                pending.pop(0)
+                continue
             time.sleep(0.5)  # poll interval while services load the model
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        for p in self.procs.values():
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
-                p.wait(timeout=5)
+        stop_all(list(self.procs.values()), grace_s)
         self.procs.clear()
-        for f in self._logs:
-            f.close()
-        self._logs.clear()
 
 
 def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            pass

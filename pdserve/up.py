@@ -16,31 +16,15 @@ import os
 import secrets
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-TOKEN_HEADER = "x-pdserve-token"
-
-
-@dataclass
-class Child:
-    name: str
-    url: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError as e:
-            return f"(no log: {e})"
+from common.http import TOKEN_HEADER
+from common.procs import Child, free_port, http_ok, stop_all
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,10 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port
 
 
 def _devices(device: str, n: int) -> list[str]:
@@ -94,13 +75,9 @@ def _devices(device: str, n: int) -> list[str]:
 
 
 def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
-        popen = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    print(f"started {name} pid {popen.pid}: {url} (log {log_path})", flush=True)
-    return Child(name, url, popen, log_path)
+    child = Child(name, argv, log_dir / f"{name}.log", url=url)
+    print(f"started {name} pid {child.pid}: {url} (log {child.log_path})", flush=True)
+    return child
 
 
 def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: list[Child]) -> None:
@@ -162,10 +139,7 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
 
 
 def _healthy(c: Child, token: str) -> bool:
-    try:
-        return httpx.get(c.url + "/health", headers={TOKEN_HEADER: token}, timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return http_ok(c.url + "/health", {TOKEN_HEADER: token})
 
 
 def wait_healthy(children: list[Child], token: str, timeout: float) -> Child | None:
@@ -187,21 +161,6 @@ def wait_healthy(children: list[Child], token: str, timeout: float) -> Child | N
             print(f"  waiting for {', '.join(c.name for c in pending)} ({elapsed:.0f}s)", flush=True)
         time.sleep(0.25)
     return None
-
-
-def stop_all(children: list[Child], grace: float) -> None:
-    """SIGTERM every child still running (router first), SIGKILL what is left after `grace` seconds."""
-    for c in children:
-        if c.popen.poll() is None:
-            c.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for c in children:
-        try:
-            c.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"{c.name} did not stop in {grace:g}s: SIGKILL", flush=True)
-            c.popen.kill()
-            c.popen.wait()
 
 
 def _model_name(router: Child, api_key_file: str | None) -> str:
@@ -276,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, signal.SIG_IGN if s == signal.SIGINT else handler)
-        stop_all(children, a.grace)
+        stop_all(children, a.grace, on_kill=lambda c: print(f"{c.name} did not stop in {a.grace:g}s: SIGKILL",
+                                                             flush=True))
         for s, handler in old.items():
             signal.signal(s, handler)
         if children:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common.http import TOKEN_HEADER, error_body
 from service.config import ServerConfig
 from service.messages import AbortReq
-from service.metrics import CONTENT_TYPE, FrontendMetrics, render_worker_info
+from service.metrics import CONTENT_TYPE, FrontendMetrics
 from service.protocol import (
     Limits,
     ParsedRequest,
@@ -268,11 +268,9 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def metrics() -> Response:
-        lines = state.metrics.render(state.in_flight, state.bridge.usable, state.draining)
         stats = await state.bridge.stats(timeout=1.0)
-        if stats:
-            lines += render_worker_info(stats)
-        return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
+        text = state.metrics.render(state.in_flight, state.bridge.usable, state.draining, stats)
+        return Response(text, media_type=CONTENT_TYPE)
 
     app.get("/health")(health)
     for path, fn in (("/server_info", server_info), ("/get_server_info", server_info),

@@ -6,14 +6,12 @@ Services never import each other; both import this.
 
 from __future__ import annotations
 
-from itertools import accumulate
-
+from common.metrics import Histogram, snapshot
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import Req
 from service import messages as m
 from service.config import ServerConfig
-from service.metrics import Histogram
 from service.worker import error_out, req_from_msg
 from transfer import CompatInfo, TransferConfig, TransferError, TransferManager
 
@@ -59,7 +57,8 @@ class TransferStats:
         self.bytes = 0
         self.succeeded = 0
         self.failed = 0
-        self.seconds = Histogram("transfer_seconds", "room ready to transfer done", TRANSFER_BUCKETS)
+        self.seconds = Histogram("transfer_seconds", "room ready to transfer done", buckets=TRANSFER_BUCKETS,
+                                 registry=None)  # shipped to the frontend in StatsOut.info, not exposed here
 
     def success(self, nbytes: int, seconds: float) -> None:
         self.bytes += nbytes
@@ -67,10 +66,8 @@ class TransferStats:
         self.seconds.observe(seconds)
 
     def info(self) -> dict:
-        h = self.seconds
         return {
             "transfer_bytes_total": self.bytes,
             "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},
-            "histograms": {"transfer_seconds": {"le": list(h.buckets), "counts": list(accumulate(h.counts[:-1])),
-                                                "sum": h.sum, "count": h.count}},
+            "histograms": {"transfer_seconds": snapshot(self.seconds)},
         }

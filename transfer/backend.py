@@ -11,8 +11,10 @@ Contract (both backends):
   32 bits (late data of a room that ended); returns how many.
 - `progress()` never blocks; `wait_fd()` arms the backend for an idle wait: (may_sleep, fd or None).
 
-FakeBackend moves no bytes: sends complete at once and every probe matches with the announced size.
-It exists for unit tests of the queue logic and scheduler benchmarks; it is never the default.
+FakeBackend moves no bytes between processes: sends complete at once and every probe matches with
+the announced size. Between two fake backends in one process (the in-process PD tests) it hands the
+bytes over, so a decode stepped next to its prefill gets the real KV. It exists for unit tests of the
+queue logic and scheduler benchmarks; it is never the default.
 """
 
 from __future__ import annotations
@@ -73,25 +75,39 @@ class DoneHandle:
     error: str | None = None
 
 
+_IN_PROCESS: dict[bytes, FakeBackend] = {}  # address -> open fake backends of this process
+
+
 class FakeBackend:
-    """Same calls, no bytes: every send is done at once, every announced message has arrived."""
+    """Same calls, no bytes: every send is done at once, every announced message has arrived.
+    A peer in this process gets a copy of the bytes (its `mailbox`, by tag)."""
 
     def __init__(self, engine_id: str) -> None:
         self.address = f"fake:{engine_id}".encode()
         self.sent = 0  # messages "sent" (tests read it)
+        self.mailbox: dict[int, torch.Tensor] = {}
+        _IN_PROCESS[self.address] = self
 
     def send(self, peer: bytes, tag: int, buf: torch.Tensor) -> Handle:
         self.sent += 1
+        local = _IN_PROCESS.get(peer)
+        if local is not None:
+            local.mailbox[tag] = buf.clone()
         return DoneHandle()
 
     def probe(self, tag: int, nbytes: int) -> Probe | None:
-        return Probe(tag, nbytes)
+        return Probe(tag, nbytes, self.mailbox.pop(tag, None))
 
     def recv(self, probe: Probe, buf: torch.Tensor) -> Handle:
+        if probe.raw is not None and probe.raw.numel() == buf.numel():
+            buf.copy_(probe.raw)
         return DoneHandle()
 
     def drop_slot(self, slot: int) -> int:
-        return 0
+        late = [t for t in self.mailbox if t >> SLOT_SHIFT == slot]
+        for t in late:
+            del self.mailbox[t]
+        return len(late)
 
     def disconnect(self, peer: bytes) -> None:
         pass
@@ -103,7 +119,7 @@ class FakeBackend:
         return True, None
 
     def close(self) -> None:
-        pass
+        _IN_PROCESS.pop(self.address, None)
 
 
 def make_backend(name: str, engine_id: str) -> DataBackend:

@@ -4,77 +4,39 @@ polling with deadlines (never fixed sleeps)."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from common.procs import Child, free_port, http_ok, wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 STUB = Path(__file__).with_name("stub_worker.py")
+__all__ = ["ROOT", "STUB", "Proc", "free_port", "http_ok", "wait_for"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_for(cond, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
+    return wait_until(cond, timeout, what, interval)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def http_ok(url: str, headers: dict | None = None) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0, headers=headers).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-class Proc:
-    """A child process with its output in a temp file."""
+class Proc(Child):
+    """A child process (common.procs.Child) with its output in a temp file, removed on stop."""
 
     def __init__(self, name: str, args: list[str], url: str, headers: dict | None = None) -> None:
-        self.name, self.args, self.url, self.headers = name, args, url, headers or {}
-        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.popen = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-
-    def tail(self, n: int = 30) -> str:
-        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+        self.args, self.headers = args, headers or {}
+        log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        log.close()
+        super().__init__(name, args, log.name, url=url, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
 
     def wait_healthy(self, timeout: float = 30.0, path: str = "/health") -> None:
-        def ok() -> bool:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            return http_ok(self.url + path, self.headers)
+        wait_until(lambda: self.healthy(self.headers, path), timeout, f"{self.name} {path}")
 
-        wait_for(ok, timeout, f"{self.name} {path}")
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.log.close()
-        os.unlink(self.log.name)
+    def stop(self, grace: float = 10.0) -> int | None:
+        code = super().stop(grace)
+        os.unlink(self.log_path)
+        return code
 
 
 def start_stub(

@@ -1,33 +1,40 @@
-"""Prometheus exposition (service/metrics.py) and response building (service/responses.py)."""
+"""Prometheus exposition (common/metrics.py, service/metrics.py) and response building (service/responses.py)."""
 
 from __future__ import annotations
 
 import json
 
+from common.metrics import CollectorRegistry, Histogram, render, snapshot
 from service.messages import TokenOut
-from service.metrics import FrontendMetrics, Histogram, render_worker_info
+from service.metrics import FrontendMetrics, render_worker_info
 from service.protocol import Limits, parse_chat, parse_generate
 from service.responses import RequestTracker, final_body, stream_chunks
 
 
 def test_histogram_is_cumulative() -> None:
-    h = Histogram("x_seconds", "help", (0.1, 1.0))
+    reg = CollectorRegistry()
+    h = Histogram("x_seconds", "help", buckets=(0.1, 1.0), registry=reg)
     for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    lines = h.render()
-    assert 'x_seconds_bucket{le="0.1"} 2' in lines
-    assert 'x_seconds_bucket{le="1"} 3' in lines
-    assert 'x_seconds_bucket{le="+Inf"} 4' in lines
-    assert "x_seconds_count 4" in lines and "x_seconds_sum 3.65" in lines
+    lines = render(reg).splitlines()
+    assert 'x_seconds_bucket{le="0.1"} 2.0' in lines
+    assert 'x_seconds_bucket{le="1.0"} 3.0' in lines
+    assert 'x_seconds_bucket{le="+Inf"} 4.0' in lines
+    assert "x_seconds_count 4.0" in lines and "x_seconds_sum 3.65" in lines
+    assert not any("_created" in ln for ln in lines)
+    # the same counts as plain data, as a worker ships them, render the same buckets
+    assert snapshot(h) == {"le": [0.1, 1.0], "counts": [2, 3], "sum": 3.65, "count": 4}
+    shipped = render_worker_info({"histograms": {"x_seconds": snapshot(h)}}, prefix="")
+    assert 'x_seconds_bucket{le="1.0"} 3.0' in shipped and 'x_seconds_bucket{le="+Inf"} 4.0' in shipped
 
 
 def test_frontend_metrics_render() -> None:
     m = FrontendMetrics()
     m.requests.inc(endpoint="chat", status="200")
     m.requests.inc(endpoint="chat", status="200")
-    text = "\n".join(m.render(running=3, worker_up=True, draining=False))
-    assert 'pdserve_requests_total{endpoint="chat",status="200"} 2' in text
-    assert "pdserve_running_requests 3" in text and "pdserve_worker_up 1" in text
+    text = m.render(running=3, worker_up=True, draining=False)
+    assert 'pdserve_requests_total{endpoint="chat",status="200"} 2.0' in text
+    assert "pdserve_running_requests 3.0" in text and "pdserve_worker_up 1.0" in text
     assert "# TYPE pdserve_time_to_first_token_seconds histogram" in text
 
 
@@ -36,12 +43,12 @@ def test_worker_info_rendered_generically() -> None:
             "counters": {"retractions": 2, "nested": {"a": 1}},
             "histograms": {"transfer_seconds": {"le": [0.1, 1.0], "counts": [1, 4], "sum": 2.5, "count": 5}}}
     lines = render_worker_info(info)
-    assert "pdserve_worker_kv_used_tokens 12" in lines
-    assert 'pdserve_worker_queues{name="waiting"} 3' in lines
-    assert 'pdserve_worker_counters{name="retractions"} 2' in lines
-    assert 'pdserve_worker_counters_nested{name="a"} 1' in lines
-    assert 'pdserve_worker_transfer_seconds_bucket{le="1"} 4' in lines
-    assert 'pdserve_worker_transfer_seconds_bucket{le="+Inf"} 5' in lines
+    assert "pdserve_worker_kv_used_tokens 12.0" in lines
+    assert 'pdserve_worker_queues{name="waiting"} 3.0' in lines
+    assert 'pdserve_worker_counters{name="retractions"} 2.0' in lines
+    assert 'pdserve_worker_counters_nested{name="a"} 1.0' in lines
+    assert 'pdserve_worker_transfer_seconds_bucket{le="1.0"} 4.0' in lines
+    assert 'pdserve_worker_transfer_seconds_bucket{le="+Inf"} 5.0' in lines
     assert not any("model_path" in ln or "ready" in ln for ln in lines)  # strings and bools skipped
 
 

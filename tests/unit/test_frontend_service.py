@@ -5,18 +5,15 @@ prefill-role one with an internal token. The drain and worker-crash tests run la
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from common.procs import Child, free_port, wait_until
 from engine.config import CPU_DEFAULT_TOKENS
 from tests.stub_worker import make_tokenizer_dir
 
@@ -28,32 +25,21 @@ LONG = {"max_new_tokens": 3000, "ignore_eos": True}
 BOOT = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(cond, timeout: float = 30.0, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(cond, timeout, what)
 
 
 class Service:
     def __init__(self, role: str, model_dir: Path, log: Path, extra: list[str], headers: dict) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "tests.stub_worker", "--role", role, "--model", str(model_dir),
                "--device", "cpu", "--dtype", "float32", "--port", str(self.port), "--context-length", "4096",
                "--log-level", "info", "--drain-grace", "20", *extra]
-        env = {**os.environ, "PDSERVE_STUB_DELAY_S": "0.01", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        env = {"PDSERVE_STUB_DELAY_S": "0.01", "PYTHONPATH": str(ROOT)}
+        self.child = Child(role, cmd, log, url=self.url, env=env, cwd=ROOT)
+        self.proc = self.child.popen
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
     def healthy(self) -> bool:
@@ -64,12 +50,7 @@ class Service:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        self.child.stop(grace=30)
         self.client.close()
 
 

@@ -177,9 +177,9 @@ def test_metrics_text():
     m.ttft.observe(0.02)
     ws[0].outstanding_requests = 3
     text = m.render(reg)
-    assert 'pdserve_router_requests_total{endpoint="/generate",status="200"} 1' in text
-    assert 'pdserve_router_ttft_seconds_bucket{le="0.025"} 1' in text
-    assert 'pdserve_router_worker_outstanding_requests{role="decode",url="http://w0:1"} 3' in text
+    assert 'pdserve_router_requests_total{endpoint="/generate",status="200"} 1.0' in text
+    assert 'pdserve_router_ttft_seconds_bucket{le="0.025"} 1.0' in text
+    assert 'pdserve_router_worker_outstanding_requests{role="decode",url="http://w0:1"} 3.0' in text
 
 
 def test_pod_worker_mapping():
