@@ -33,9 +33,6 @@ class KVManager:
         """Pages req still needs so that kv_len + new_tokens tokens fit."""
         return max(0, pages_for(req.kv_len + new_tokens, self.page_size) - len(req.pages))
 
-    def can_grow(self, req: Req, new_tokens: int) -> bool:
-        return self.pool.allocator.can_allocate(self.extra_pages(req, new_tokens))
-
     def grow(self, req: Req, new_tokens: int) -> None:
         n = self.extra_pages(req, new_tokens)
         if n:

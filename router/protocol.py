@@ -47,9 +47,6 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 def _need(ok: bool, msg: str) -> None:
     if not ok:
         raise BadRequest(msg)

@@ -222,9 +222,6 @@ class DecodeSide:
                 if now > until:
                     del self.dead_slots[slot]
 
-    def next_deadline(self) -> float:
-        return self._next_hb
-
     def _fail_peer(self, peer: _Peer, code: ErrorCode, message: str) -> None:
         for room in peer.rooms:
             recv = self.receivers.get(room)
