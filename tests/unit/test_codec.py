@@ -1,0 +1,45 @@
+"""common.codec: one codec, one strictness, for the service and the transfer messages alike."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine.sampling_params import SamplingParams
+from service import messages as sm
+from transfer import messages as tm
+
+
+def test_service_messages_round_trip_typed() -> None:
+    req = sm.GenerateReq(rid="r", input_ids=[1, 2], sampling=SamplingParams(stop=("x",), max_new_tokens=3),
+                         bootstrap_host="h", bootstrap_port=1, bootstrap_room=5)
+    assert sm.decode(sm.encode(req)) == req
+    batch = sm.TokenBatch(outs=[sm.TokenOut(rid="r", new_token_ids=[7], finished=True, finish_reason="stop")])
+    assert sm.decode(sm.encode(batch)) == batch
+    stats = sm.StatsOut(token=3, info={"queues": {"waiting": 1}, "type": "not a message"})
+    assert sm.decode(sm.encode(stats)) == stats
+
+
+@pytest.mark.parametrize("codec", [sm, tm])
+def test_one_strictness(codec) -> None:  # noqa: ANN001
+    ok = sm.AbortReq(rid="r") if codec is sm else tm.AbortAck(room=1)
+    wire = msgpack.unpackb(codec.encode(ok))
+    for bad in (b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"x": 1}),
+                msgpack.packb({**wire, "type": "Nope"}), msgpack.packb({**wire, "version": 99}),
+                msgpack.packb({k: v for k, v in wire.items() if k != "version"})):
+        with pytest.raises(ValueError):
+            codec.decode(bad)
+    assert codec.decode(msgpack.packb({**wire, "newer_optional_field": 1})) == ok
+    with pytest.raises(ValueError):
+        codec.encode(object())
+
+
+def test_bad_fields_raise_value_error() -> None:
+    wire = msgpack.unpackb(sm.encode(sm.GenerateReq(rid="r", input_ids=[1], sampling=SamplingParams())))
+    for sampling in ({"temperature": -1}, {"bogus": 1}, [1]):
+        with pytest.raises(ValueError, match="sampling"):
+            sm.decode(msgpack.packb({**wire, "sampling": sampling}))
+    with pytest.raises(ValueError):
+        tm.decode(msgpack.packb({"type": "AbortAck", "version": tm.VERSION}))  # room missing
+    with pytest.raises(ValueError):
+        sm.encode(tm.AbortAck(room=1))  # a transfer message is not a service message
