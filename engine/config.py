@@ -95,7 +95,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 = torch default
+    threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -107,6 +107,7 @@ class EngineConfig:
         need(self.dtype in ("float32", "bfloat16", "float16"),
              f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.page_size >= 1, "--page-size must be >= 1")
+        need(self.threads >= 0, "--threads must be >= 0 (0: the CPUs this process may use)")
         need(self.max_total_tokens >= 2 * self.page_size,
              "--max-total-tokens must hold at least two pages")
         need(self.host_kv_tokens >= 0, "--host-kv-tokens must be >= 0")
@@ -209,7 +210,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
+                        "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
+                        "the machine's CPUs among the workers it starts). Ignored for GPU compute")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     s.add_argument("--port", type=int, default=30000, help="HTTP port")

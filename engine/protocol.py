@@ -43,10 +43,14 @@ class RequestError(Exception):
         self.err_type = err_type
 
 
-def error_body(message: str, status: int, err_type: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int, err_type: str | None = None, fault: str = "") -> dict[str, Any]:
+    """OpenAI-style error object; `fault` (PD) names the role whose failure caused it, for the router."""
     if err_type is None:
         err_type = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": err_type, "code": status}}
+    err: dict[str, Any] = {"message": message, "type": err_type, "code": status}
+    if fault:
+        err["fault"] = fault
+    return {"error": err}
 
 
 @dataclass(frozen=True)

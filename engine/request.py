@@ -36,6 +36,7 @@ class Req:
     matched_stop: str | int | None = None
     error: str | None = None
     error_code: int = 0
+    error_fault: str = ""  # PD role that caused the error when it was the peer, else ""
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -60,11 +61,13 @@ class Req:
     def is_retracted(self) -> bool:
         return bool(self.host_pages)
 
-    def finish(self, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None, code: int = 0, fault: str = "") -> None:
+        """`fault`: the PD role ("prefill"/"decode") that caused an error, when it is the peer's."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
             self.error_code = code
+            self.error_fault = fault
 
 
 class StopChecker:
