@@ -7,8 +7,12 @@ from typing import Any
 TOKEN_HEADER = "x-pdserve-token"  # router -> worker requests carry the internal token here
 
 
-def error_body(message: str, status: int, err_type: str | None = None) -> dict[str, Any]:
-    """`{"error": {"message", "type", "code"}}`; type defaults by status (4xx client, 5xx server)."""
+def error_body(message: str, status: int, err_type: str | None = None, fault: str = "") -> dict[str, Any]:
+    """`{"error": {"message", "type", "code"[, "fault"]}}`; type defaults by status (4xx client, 5xx
+    server); `fault` (PD) names the role whose failure caused it, for the router."""
     if err_type is None:
         err_type = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": err_type, "code": status}}
+    err: dict[str, Any] = {"message": message, "type": err_type, "code": status}
+    if fault:
+        err["fault"] = fault
+    return {"error": err}

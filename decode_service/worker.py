@@ -124,10 +124,10 @@ class DecodeRole:
                 self._commit(r, meta)
             elif st == KVPoll.FAILED:
                 self.tstats.failed += 1
-                message, code = transfer_error(rx.error)
+                message, code, fault = transfer_error(rx.error, "decode")
                 log.warning("rid=%s room=%d: %s", r.rid, room, message)
                 self._drop_transfer(room)
-                self._report(r, FinishReason.ERROR, message, code)
+                self._report(r, FinishReason.ERROR, message, code, fault)
 
     def _commit(self, r: Req, meta: dict) -> None:
         """The prompt's KV is in place: take the prefill's first token and join the decode batch."""
@@ -147,8 +147,8 @@ class DecodeRole:
         if not keep_pages:
             self.kv.release(r)
 
-    def _report(self, r: Req, reason: FinishReason, error: str | None, code: int) -> None:
-        r.finish(reason, error, code)
+    def _report(self, r: Req, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
+        r.finish(reason, error, code, fault)
         self.kv.release(r)
         self.outbox.append(r)
 

@@ -93,7 +93,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 = torch default
+    threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -105,6 +105,7 @@ class EngineConfig:
         need(self.dtype in ("float32", "bfloat16", "float16"),
              f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         need(self.page_size >= 1, "--page-size must be >= 1")
+        need(self.threads >= 0, "--threads must be >= 0 (0: the CPUs this process may use)")
         need(self.max_total_tokens >= 2 * self.page_size,
              "--max-total-tokens must hold at least two pages")
         need(self.host_kv_tokens >= 0, "--host-kv-tokens must be >= 0")

@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import build_metadata, create_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cpus import cpu_budget
 from engine.memory import HostKVPool, KVPool
 from engine.models.embedded import resolve_model_path
 from engine.models.llama import ForwardContext
@@ -36,8 +37,8 @@ class Segment:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        if cfg.threads > 0:
-            torch.set_num_threads(cfg.threads)
+        if cfg.device == "cpu" or cfg.threads > 0:
+            torch.set_num_threads(cfg.threads or cpu_budget())
         self.model_path: Path = resolve_model_path(cfg.model)
         self.model_cfg = ModelConfig.from_dir(self.model_path)
         mc = self.model_cfg

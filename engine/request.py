@@ -41,6 +41,7 @@ class Req:
     matched_stop: str | int | None = None
     error: str | None = None
     error_code: int = 0
+    error_fault: str = ""  # PD role that caused the error when it was the peer, else ""
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
@@ -69,11 +70,13 @@ class Req:
         """The abort predicate: selected by its request id, by its bootstrap room, or by `everything`."""
         return everything or (bool(rid) and self.rid == rid) or (room is not None and self.bootstrap_room == room)
 
-    def finish(self, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None, code: int = 0, fault: str = "") -> None:
+        """`fault`: the PD role ("prefill"/"decode") that caused an error, when it is the peer's."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
             self.error_code = code
+            self.error_fault = fault
 
 
 class TailDecoder:

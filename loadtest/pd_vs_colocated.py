@@ -22,10 +22,11 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.procs import free_port
+from engine.cpus import threads_per_worker as split_cpus
 from loadtest.client import ClientConfig, fetch_model
 from loadtest.metrics import RequestResult, fmt_ms, summarize_by_tag
 from loadtest.report import write_plots
@@ -47,7 +48,7 @@ class ExperimentConfig:
     long_rate: float = 0.15  # long prompts per second (Poisson)
     long_input_len: int = 1024
     long_output_len: int = 4
-    threads_per_worker: int = 1
+    threads_per_worker: int = field(default_factory=lambda: split_cpus(2))  # CPUs split by 2 workers
     seed: int = 0
     modes: tuple[str, ...] = MODES
     ready_timeout_s: float = 300.0
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-input-len", type=int, default=d.long_input_len, help="long prompt tokens")
     p.add_argument("--long-output-len", type=int, default=d.long_output_len, help="long-prompt output tokens")
     p.add_argument("--threads", type=int, default=d.threads_per_worker,
-                   help="torch threads per PD worker (colocated gets twice this)")
+                   help="torch threads per PD worker (colocated gets twice this; default: this machine's CPUs // 2)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: pd,colocated")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     args = p.parse_args(argv)

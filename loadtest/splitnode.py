@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine.cpus import threads_per_worker
 from loadtest import promtext
 from loadtest.netns import Netns, NetnsConfig, Shaping
 
@@ -56,7 +57,8 @@ class SplitNodeConfig:
     prefix: str = "pdl"
     ready_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0
-    service_args: tuple[str, ...] = ("--threads", "1")
+    # the prefill and decode share this machine's CPUs: half each (engine.cpus), never all of them each
+    service_args: tuple[str, ...] = field(default_factory=lambda: ("--threads", str(threads_per_worker(2))))
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:

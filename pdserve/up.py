@@ -2,7 +2,9 @@
 
 1. Pick free ports, write a random internal token (workers only accept requests that carry it).
 2. Start N prefill and M decode services (`python -m pdserve prefill|decode ...`) and the router, each
-   in its own session, logs in --log-dir.
+   in its own session, logs in --log-dir. On CPU each worker gets `--threads` = max(1, CPUs // workers)
+   (CPUs: this process's affinity, capped by its cgroup quota), so N+M workers never run more compute
+   threads than the machine has cores; `--threads`, or `--threads` inside --worker-args, overrides it.
 3. Wait until every worker's and the router's /health answers 200, printing progress; if a child
    exits first, print its log tail, stop the rest, exit 1.
 4. Print the URL and a curl example, then watch the children until Ctrl-C / SIGTERM: stop the router,
@@ -25,6 +27,7 @@ import httpx
 
 from common.http import TOKEN_HEADER
 from common.procs import Child, free_port, http_ok, stop_all
+from engine.cpus import cpu_budget, threads_per_worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", default="least_load", help="router policy for prefill workers")
     p.add_argument("--decode-policy", default="least_load", help="router policy for decode workers")
     p.add_argument("--api-key-file", default=None, help="client API keys for the router (one per line)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads per worker (0: divide this machine's CPUs among the workers, "
+        "max(1, CPUs // (prefill + decode)), CPUs from the affinity mask capped by the cgroup quota; "
+        "not passed when the workers compute on a GPU)",
+    )
     p.add_argument("--worker-args", default="", help="extra flags for every worker, one shell-quoted string")
     p.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for everything to be healthy"
@@ -62,9 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_free_port = free_port
-
-
 def _devices(device: str, n: int) -> list[str]:
     if device != "cuda":
         return [device] * n
@@ -72,6 +80,25 @@ def _devices(device: str, n: int) -> list[str]:
 
     count = torch.cuda.device_count()
     return [f"cuda:{i % count}" if count > 1 else "cuda" for i in range(n)]
+
+
+def _uses_gpu(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def worker_threads(a: argparse.Namespace, extra: list[str]) -> int | None:
+    """`--threads` for each worker: None when the user set it in --worker-args or the workers use a GPU."""
+    if any(x == "--threads" or x.startswith("--threads=") for x in extra):
+        return None
+    if a.threads:
+        return a.threads
+    if _uses_gpu(a.device):
+        return None
+    return threads_per_worker(a.prefill + a.decode)
 
 
 def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
@@ -87,11 +114,16 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
     extra = shlex.split(a.worker_args)
     if a.max_total_tokens:
         extra += ["--max-total-tokens", str(a.max_total_tokens)]
+    threads = worker_threads(a, extra)
+    if threads is not None:
+        extra += ["--threads", str(threads)]
+        print(f"each worker computes with --threads {threads} ({cpu_budget()} CPUs, "
+              f"{a.prefill + a.decode} workers)", flush=True)
     roles = ["prefill"] * a.prefill + ["decode"] * a.decode
     workers: list[Child] = []
     router_workers: list[str] = []
     for i, (role, device) in enumerate(zip(roles, _devices(a.device, len(roles)))):
-        port = _free_port()
+        port = free_port()
         argv = [
             *base,
             role,
@@ -106,7 +138,7 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
             *extra,
         ]
         if role == "prefill":
-            bootstrap_port = _free_port()
+            bootstrap_port = free_port()
             argv += ["--bootstrap-port", str(bootstrap_port), "--transfer-backend", a.transfer_backend]
             router_workers += ["--prefill", f"http://127.0.0.1:{port},bootstrap_port={bootstrap_port}"]
         else:
@@ -199,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.prefill < 1 or a.decode < 1:
         print("pdserve up: --prefill and --decode must be >= 1", file=sys.stderr)
+        return 2
+    if a.threads < 0:
+        print("pdserve up: --threads must be >= 0 (0: divide the CPUs among the workers)", file=sys.stderr)
         return 2
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

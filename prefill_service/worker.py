@@ -151,18 +151,18 @@ class PrefillRole:
 
     def _fail(self, room: Room) -> None:
         self.tstats.failed += 1
-        message, code = transfer_error(room.sender.error)
+        message, code, fault = transfer_error(room.sender.error, "prefill")
         log.warning("rid=%s room=%d: %s", room.req.rid, room.req.bootstrap_room, message)
-        self._end(room, FinishReason.ERROR, message, code)
+        self._end(room, FinishReason.ERROR, message, code, fault)
 
-    def _end(self, room: Room, reason: FinishReason, error: str | None, code: int) -> None:
+    def _end(self, room: Room, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
         for q in (self.bootstrap, self.waiting, self.inflight):
             if room in q:
                 q.remove(room)
         r = room.req
         if reason in (FinishReason.ERROR, FinishReason.ABORT):  # overrides a stop the first token hit
             r.finish_reason, r.matched_stop = None, None
-        r.finish(reason, error, code)
+        r.finish(reason, error, code, fault)
         self.kv.release(r)
         room.sender.release()
         self.exec.sampler.forget(r.rid)

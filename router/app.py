@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 
@@ -52,7 +53,15 @@ class RouterState:
             )
             for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))
         }
-        self.proxy = Proxy(self.registry, self.client, policies, self.metrics, cfg.max_retries)
+        self.proxy = Proxy(
+            self.registry,
+            self.client,
+            policies,
+            self.metrics,
+            cfg.max_retries,
+            worker_wait_s=cfg.worker_wait_s,
+            retry_after_s=max(1, math.ceil(cfg.health_interval_s)),
+        )
         self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s)
         self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None
 
@@ -133,7 +142,10 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
             return _error(400, str(e))
         except ProxyError as e:
             status = e.status
-            return _error(e.status, e.message)
+            resp = _error(e.status, e.message)
+            if e.retry_after_s is not None:
+                resp.headers["Retry-After"] = str(e.retry_after_s)
+            return resp
         except ClientGone:
             status = 499
             return Response(status_code=499)

@@ -85,6 +85,7 @@ class RouterConfig:
     max_retries: int = 2  # extra attempts on another pair when a side fails before the first token
     health_interval_s: float = 2.0
     health_failures: int = 3  # consecutive failures (probes or requests) that eject a worker
+    worker_wait_s: float = 15.0  # a request waits this long for an eligible worker of a role, then 503
     api_keys: frozenset[str] = frozenset()  # empty = no client auth
     internal_token: str | None = None  # sent to workers in header x-pdserve-token
     cache_prefix_chars: int = 256  # prompt prefix hashed by cache_aware
@@ -106,6 +107,7 @@ class RouterConfig:
         need(self.max_retries >= 0, "--max-retries must be >= 0")
         need(self.health_interval_s > 0, "--health-interval must be > 0")
         need(self.health_failures >= 1, "--health-failures must be >= 1")
+        need(self.worker_wait_s >= 0, "--worker-wait must be >= 0")
         need(self.cache_prefix_chars >= 1, "cache_prefix_chars must be >= 1")
         need(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1")
         urls = [w.url for w in self.workers]
@@ -148,7 +150,11 @@ def load_yaml(path: str | Path) -> dict:
             )
     if workers:
         out["workers"] = tuple(workers)
-    aliases = {"request_timeout": "request_timeout_s", "health_interval": "health_interval_s"}
+    aliases = {
+        "request_timeout": "request_timeout_s",
+        "health_interval": "health_interval_s",
+        "worker_wait": "worker_wait_s",
+    }
     known = {f.name for f in fields(RouterConfig)} - {"workers", "k8s", "api_keys", "internal_token"}
     for key, value in data.items():
         name = aliases.get(key, key)

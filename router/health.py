@@ -1,7 +1,8 @@
 """Health checking: every `health_interval` each worker's GET /health is probed. A passing probe
 admits (or re-admits) the worker; `health_failures` failures in a row (probes and proxied requests
-both count) eject it. A prefill whose bootstrap port is unknown also has its /server_info read
-(`bootstrap_port`, and `advertise_host`/`bootstrap_host` when present) before it becomes eligible.
+both count) eject it; the last eligible worker of a role is ejected by failed probes only. A prefill
+whose bootstrap port is unknown also has its /server_info read (`bootstrap_port`, and
+`advertise_host`/`bootstrap_host` when present) before it becomes eligible.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class HealthChecker:
         if ok:
             self.registry.record_success(w)
         else:
-            self.registry.record_failure(w, reason)
+            self.registry.record_failure(w, reason, probe=True)
         return ok
 
     def _apply_server_info(self, w: Worker, info: dict) -> None:

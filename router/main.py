@@ -88,7 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-failures",
         type=int,
         default=None,
-        help=f"consecutive failures that eject a worker (default {d.health_failures})",
+        help=f"consecutive failures that eject a worker (default {d.health_failures}); failed requests "
+        "alone never eject the last eligible worker of a role, only failed health probes do",
+    )
+    p.add_argument(
+        "--worker-wait",
+        type=float,
+        default=None,
+        help=f"seconds a request waits for an eligible worker of a role when none is, before it gets a 503 "
+        f"with Retry-After (default {d.worker_wait_s:g}; 0: answer 503 at once)",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return p
@@ -108,6 +116,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         "max_retries": ns.max_retries,
         "health_interval_s": ns.health_interval,
         "health_failures": ns.health_failures,
+        "worker_wait_s": ns.worker_wait,
     }
     kw.update({key: value for key, value in flags.items() if value is not None})
     if ns.api_key_file:

@@ -155,6 +155,13 @@ def merge_input_logprobs(endpoint: str, prefill: dict, decode: dict) -> dict:
     return decode
 
 
+def fault_of(obj: Any) -> str:
+    """The PD role a worker's error object blames ("prefill" | "decode"), or "" when it blames none."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    fault = err.get("fault") if isinstance(err, dict) else None
+    return fault if fault in ("prefill", "decode") else ""
+
+
 def error_of(obj: Any) -> tuple[int, str] | None:
     """(status, message) when a worker's JSON (body or SSE event) is an error object, else None."""
     if not isinstance(obj, dict) or "error" not in obj:

@@ -7,8 +7,12 @@
    carries the prompt's input logprobs); D's answer (JSON or SSE stream) is what the client gets.
 3. Until the first token reaches the client (unary: until D's whole answer), a failure of either side
    (transport error, timeout, 5xx, error object) aborts the room on both sides and the request is
-   retried on another pair with a new room, at most `max_retries` times. A 4xx is the client's fault:
-   it is relayed, not retried. A client disconnect aborts both sides.
+   retried on another pair with a new room, at most `max_retries` times. The failure counts against
+   the worker that caused it: the side that answered, unless its error names the other role as at
+   fault (`error.fault`, e.g. a decode whose prefill went silent). A 4xx is the client's fault: it is
+   relayed, not retried. A client disconnect aborts both sides. When no worker of a role is eligible,
+   the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
+   with Retry-After.
 4. Once streaming began, a failure of D ends the stream with an `data: {"error": ...}` event; a
    stream that does not end cleanly (error, client disconnect) aborts the room on both sides.
 """
@@ -28,7 +32,7 @@ import httpx
 from router.client import WorkerClient
 from router.metrics import RouterMetrics
 from router.policies import Policy
-from router.protocol import ProxyRequest, error_body, error_of, merge_input_logprobs, sse_event
+from router.protocol import ProxyRequest, error_body, error_of, fault_of, merge_input_logprobs, sse_event
 from router.registry import Lease, Registry, Worker
 from router.sse import DONE, SSEReader, event_json
 
@@ -38,10 +42,11 @@ Disconnected = Callable[[], Awaitable[None]]
 class ProxyError(Exception):
     """Ends a request with an error answer before anything was sent to the client."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after_s = retry_after_s  # sent as a Retry-After header when set
 
 
 class ClientGone(Exception):
@@ -55,6 +60,7 @@ class SideResult:
     body: Any = None
     message: str = ""
     raw: bytes = b""  # the body as received (relayed as is when nothing was merged into it)
+    fault: str = ""  # the role the worker's error blames ("prefill" | "decode"), "" = itself
 
     @property
     def ok(self) -> bool:
@@ -66,9 +72,12 @@ class SideResult:
 
 
 class AttemptFailed(Exception):
-    def __init__(self, side: str, result: SideResult) -> None:
-        super().__init__(f"{side} {result.worker.url}: {result.message}")
+    """One attempt failed; `side`/`worker` is who is blamed, which may be the other side of `result`."""
+
+    def __init__(self, side: str, worker: Worker, result: SideResult) -> None:
+        super().__init__(f"{side} {worker.url}: {result.message}")
         self.side = side
+        self.worker = worker
         self.result = result
 
 
@@ -87,7 +96,7 @@ def _result(w: Worker, status: int, content: bytes) -> SideResult:
         body = None
     err = error_of(body)
     if err is not None:
-        return SideResult(w, status if status >= 400 else err[0], body, err[1])
+        return SideResult(w, status if status >= 400 else err[0], body, err[1], fault=fault_of(body))
     if 200 <= status < 300 and body is None:
         return SideResult(w, 502, None, "worker answered with a body that is not JSON")
     message = "" if status < 400 else content[:500].decode("utf-8", "replace")
@@ -106,12 +115,16 @@ class Proxy:
         policies: dict[str, Policy],
         metrics: RouterMetrics,
         max_retries: int,
+        worker_wait_s: float = 0.0,
+        retry_after_s: int = 1,
     ) -> None:
         self.registry = registry
         self.client = client
         self.policies = policies
         self.metrics = metrics
         self.max_retries = max_retries
+        self.worker_wait_s = worker_wait_s  # how long a request waits for an eligible worker of a role
+        self.retry_after_s = retry_after_s  # Retry-After of the 503 when none came
         self._background: set[asyncio.Task] = set()
 
     # ---- public API -------------------------------------------------------------------------------
@@ -132,10 +145,14 @@ class Proxy:
         return self._relay(req, start, p, d, room, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
-    def _pick(self, role: str, prefix: str, tried: set[str]) -> Worker:
-        eligible = self.registry.eligible(role)
+    async def _pick(self, role: str, prefix: str, tried: set[str]) -> Worker:
+        eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
-            raise ProxyError(503, f"no healthy {role} worker available")
+            raise ProxyError(
+                503,
+                f"no healthy {role} worker available (waited {self.worker_wait_s:g}s for one)",
+                retry_after_s=self.retry_after_s,
+            )
         fresh = [w for w in eligible if w.url not in tried]
         return self.policies[role].pick(fresh or eligible, prefix)
 
@@ -145,26 +162,28 @@ class Proxy:
         for n in range(self.max_retries + 1):
             if n:
                 self.metrics.retries.inc()
-            p = self._pick("prefill", req.prefix, tried["prefill"])
-            d = self._pick("decode", req.prefix, tried["decode"])
+            p = await self._pick("prefill", req.prefix, tried["prefill"])
+            d = await self._pick("decode", req.prefix, tried["decode"])
             try:
                 return await attempt(p, d, secrets.randbits(63))
             except AttemptFailed as e:
                 if not e.result.worker_fault:
                     raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
-                tried[e.side].add(e.result.worker.url)
+                tried[e.side].add(e.worker.url)
                 last = e
         assert last is not None
         status = 504 if "Timeout" in last.result.message else 502
         raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
 
-    def _check(self, side: str, res: SideResult) -> None:
+    def _check(self, side: str, res: SideResult, pair: dict[str, Worker]) -> None:
+        """Record one side's answer; a failure raises AttemptFailed blaming the worker at fault."""
         if res.ok:
             self.registry.record_success(res.worker)
             return
+        blamed = res.fault if res.fault in pair and res.worker_fault else side
         if res.worker_fault:
-            self.registry.record_failure(res.worker, res.message)
-        raise AttemptFailed(side, res)
+            self.registry.record_failure(pair[blamed], f"{res.message} (reported by {side} {res.worker.url})")
+        raise AttemptFailed(blamed, pair[blamed], res)
 
     def _abort_both(self, p: Worker, d: Worker, room: int) -> None:
         self.client.abort_room_soon(p, room)
@@ -175,7 +194,12 @@ class Proxy:
         task.add_done_callback(self._background.discard)
 
     async def _await_sides(
-        self, req: ProxyRequest, p_task: asyncio.Task, d_task: asyncio.Task, disconnected: Disconnected | None
+        self,
+        req: ProxyRequest,
+        pair: dict[str, Worker],
+        p_task: asyncio.Task,
+        d_task: asyncio.Task,
+        disconnected: Disconnected | None,
     ) -> None:
         """Wait until decode answered (and prefill too when its logprobs are needed); fail fast on
         either side's failure or a client disconnect."""
@@ -190,7 +214,7 @@ class Proxy:
                     pending.discard(t)
                     res = t.result()
                     self._check(
-                        "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res
+                        "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res, pair
                     )
         finally:
             watch.cancel()
@@ -220,7 +244,7 @@ class Proxy:
         )
         ok = False
         try:
-            await self._await_sides(req, p_task, d_task, disconnected)
+            await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
             res = d_task.result()
             raw = res.raw
             if req.input_logprobs and isinstance(res.body, dict):
@@ -252,7 +276,7 @@ class Proxy:
             obj = event_json(first)
             err = error_of(obj)
             if err is not None:
-                return SideResult(w, err[0], obj, err[1]), None
+                return SideResult(w, err[0], obj, err[1], fault=fault_of(obj)), None
             start = StreamStart(resp, reader, first, lease)
             resp = lease = None  # owned by the StreamStart now
             return SideResult(w, 200, obj), start
@@ -278,7 +302,7 @@ class Proxy:
         )
         ok = False
         try:
-            await self._await_sides(req, p_task, d_task, disconnected)
+            await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
             res, start = d_task.result()
             assert start is not None
             if req.input_logprobs and isinstance(res.body, dict):

@@ -1,13 +1,16 @@
 """Worker registry: the router's view of its prefill and decode workers.
 
 A worker is *eligible* for new requests when it is healthy (its last probes passed, fewer than
-`health_failures` failures in a row) and, for prefill, its bootstrap port is known. Load
-(outstanding requests and estimated tokens) is counted here by the proxy through `acquire`.
-Everything runs on the router's single event loop, so no locks are needed.
+`health_failures` failures in a row) and, for prefill, its bootstrap port is known. Request failures
+never eject the last eligible worker of a role: with no alternative an ejection only turns every
+request into a 503, so health probes alone decide about that one. Load (outstanding requests and
+estimated tokens) is counted here by the proxy through `lease`. Everything runs on the router's
+single event loop, so no locks are needed; `wait_eligible` lets a request wait for a worker.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 
@@ -65,6 +68,7 @@ class Registry:
         self._health_failures = health_failures
         self._on_eject = on_eject
         self._on_admit = on_admit
+        self._changed: asyncio.Event | None = None  # set (then replaced) on every success, for waiters
 
     def add(self, spec: WorkerSpec, source: str = "static") -> Worker:
         """Add a worker (not yet healthy: the next probe admits it). Re-adding the same spec is a no-op;
@@ -92,6 +96,22 @@ class Registry:
     def eligible(self, role: str) -> list[Worker]:
         return [w for w in self._workers.values() if w.role == role and w.eligible]
 
+    async def wait_eligible(self, role: str, timeout_s: float) -> list[Worker]:
+        """The eligible workers of `role`, waiting up to `timeout_s` for one to appear; [] if none did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not (eligible := self.eligible(role)):
+            left = deadline - loop.time()
+            if left <= 0:
+                return []
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return []
+        return eligible
+
     def record_success(self, w: Worker) -> None:
         w.consecutive_failures = 0
         if not w.healthy:
@@ -99,10 +119,20 @@ class Registry:
             log.info("worker admitted: %s %s", w.role, w.url)
             if self._on_admit:
                 self._on_admit(w)
+        if self._changed is not None:  # someone waits in wait_eligible: let it look again
+            self._changed.set()
+            self._changed = None
 
-    def record_failure(self, w: Worker, reason: str) -> None:
-        """A failed probe or request. At `health_failures` in a row the worker is ejected."""
+    def record_failure(self, w: Worker, reason: str, probe: bool = False) -> None:
+        """A failed health probe (`probe`) or request. At `health_failures` in a row the worker is
+        ejected, except that request failures alone never eject the last eligible worker of its role."""
         w.consecutive_failures += 1
+        if not probe and self.eligible(w.role) == [w]:
+            if w.consecutive_failures == self._health_failures:
+                log.warning("not ejecting %s %s after %d failed requests: it is the last eligible %s "
+                            "(health probes decide; last: %s)", w.role, w.url, w.consecutive_failures,
+                            w.role, reason)
+            return
         if w.healthy and w.consecutive_failures >= self._health_failures:
             w.healthy = False
             w.ejections += 1

@@ -93,7 +93,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
+                        "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
+                        "the machine's CPUs among the workers it starts). Ignored for GPU compute")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     s.add_argument("--port", type=int, default=30000, help="HTTP port")

@@ -139,7 +139,8 @@ async def _collect(state: FrontendState, tr: RequestTracker, queue: asyncio.Queu
         _release(state, tr)
     if tr.failed:
         _log_finish(tr, tr.error_status(), endpoint, state)
-        return _error(tr.error_message(), tr.error_status())
+        return JSONResponse(error_body(tr.error_message(), tr.error_status(), fault=tr.fault),
+                            status_code=tr.error_status())
     _log_finish(tr, 200, endpoint, state)
     return JSONResponse(final_body(tr))
 
@@ -154,7 +155,7 @@ async def _stream(state: FrontendState, tr: RequestTracker, queue: asyncio.Queue
             delta = tr.consume(out)
             if tr.failed:
                 status = tr.error_status()
-                yield sse(error_body(tr.error_message(), status))
+                yield sse(error_body(tr.error_message(), status, fault=tr.fault))
                 break
             for chunk in stream_chunks(tr, delta, first):
                 yield chunk

@@ -78,6 +78,8 @@ class TokenOut:
     error: str | None = None
     # HTTP-ish status for errors: 400 bad input, 408 timeout, 499 aborted, 500/503 server side
     error_code: int = 0
+    # PD only: the role ("prefill" | "decode") whose failure caused this error, when it is the peer's
+    fault: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

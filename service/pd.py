@@ -44,10 +44,13 @@ def pd_request(msg: m.GenerateReq, kv: KVManager) -> tuple[Req | None, m.TokenOu
     return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg), None)
 
 
-def transfer_error(err: TransferError | None) -> tuple[str, int]:
+def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]:
+    """(message, status, fault) of a failed room on a `role` worker; fault names the peer role when
+    the peer caused the failure (the router blames that worker), else ""."""
     if err is None:
-        return "KV transfer failed", 500
-    return f"KV transfer failed: {err.message}", int(err.code)
+        return "KV transfer failed", 500, ""
+    fault = ("decode" if role == "prefill" else "prefill") if err.peer_fault else ""
+    return f"KV transfer failed: {err.message}", int(err.code), fault
 
 
 class TransferStats:

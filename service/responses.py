@@ -45,6 +45,7 @@ class RequestTracker:
         self.matched_stop: str | int | None = None
         self.error: str | None = None
         self.error_code = 0
+        self.fault = ""  # PD role to blame for the error when it was the peer's (see TokenOut.fault)
         self.prompt_tokens = len(parsed.req.input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -72,7 +73,7 @@ class RequestTracker:
             self.finished = True
             self.finish_reason = out.finish_reason or "stop"
             self.matched_stop = out.matched_stop
-            self.error, self.error_code = out.error, out.error_code
+            self.error, self.error_code, self.fault = out.error, out.error_code, out.fault
             self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
             self.completion_tokens = out.completion_tokens or len(self.output_ids)
             self.cached_tokens = out.cached_tokens

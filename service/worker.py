@@ -42,7 +42,7 @@ def token_out(r: Req) -> m.TokenOut:
     return m.TokenOut(
         rid=r.rid, new_token_ids=list(new), new_logprobs=list(lps), input_logprobs=inp,
         finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
-        matched_stop=r.matched_stop, error=r.error, error_code=r.error_code,
+        matched_stop=r.matched_stop, error=r.error, error_code=r.error_code, fault=r.error_fault,
         prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
     )
 

@@ -173,7 +173,7 @@ class DecodeSide:
             peer.send(AbortAck(msg.room))
             if recv is not None:
                 code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
-                recv.fail(code, f"aborted by prefill: {msg.reason}")
+                recv.fail(code, f"aborted by prefill: {msg.reason}", peer_fault=True)
 
     def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
         recv = self.receivers.get(room)
@@ -202,13 +202,13 @@ class DecodeSide:
         for recv in self.receivers.values():
             if recv.state not in TERMINAL and now - recv.created_at > cfg.waiting_timeout_s:
                 recv.fail(ErrorCode.TIMEOUT, f"KV not complete within {cfg.waiting_timeout_s}s "
-                          f"(state {recv.state.name})", tell_peer=True)
+                          f"(state {recv.state.name})", tell_peer=True, peer_fault=True)
         for peer in list(self.peers.values()):
             active = [r for r in peer.rooms
                       if r in self.receivers and self.receivers[r].state not in TERMINAL]
             if active and now - peer.last_seen > cfg.peer_lost_s:
                 self._fail_peer(peer, ErrorCode.PEER_LOST, f"prefill {peer.addr} missed 3 heartbeats "
-                                f"({cfg.peer_lost_s:g}s)")
+                                f"({cfg.peer_lost_s:g}s)", peer_fault=True)
             elif active and now >= self._next_hb and peer.ctrl is not None:
                 peer.hb_seq += 1
                 peer.ctrl.send(Heartbeat(self.engine_id, peer.hb_seq, sorted(active)))
@@ -222,11 +222,11 @@ class DecodeSide:
                 if now > until:
                     del self.dead_slots[slot]
 
-    def _fail_peer(self, peer: _Peer, code: ErrorCode, message: str) -> None:
+    def _fail_peer(self, peer: _Peer, code: ErrorCode, message: str, peer_fault: bool = False) -> None:
         for room in peer.rooms:
             recv = self.receivers.get(room)
             if recv is not None:
-                recv.fail(code, message)
+                recv.fail(code, message, peer_fault=peer_fault)
         peer.close()
         self.peers.pop(peer.addr, None)
 

@@ -154,7 +154,7 @@ class PrefillSide:
         sender = self.senders.get(msg.room)
         if sender is not None and sender.peer_identity == identity:
             sender.fail(ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_
-                        else ErrorCode.ABORTED, f"aborted by decode: {msg.reason}")
+                        else ErrorCode.ABORTED, f"aborted by decode: {msg.reason}", peer_fault=True)
 
     def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
         sender = self.senders.get(room)
@@ -178,7 +178,7 @@ class PrefillSide:
         for sender in self.senders.values():
             if sender.state == KVPoll.BOOTSTRAPPING and now - sender.created_at > cfg.bootstrap_timeout_s:
                 sender.fail(ErrorCode.TIMEOUT, f"no TransferInfo from a decode within "
-                            f"{cfg.bootstrap_timeout_s}s")
+                            f"{cfg.bootstrap_timeout_s}s", peer_fault=True)
         for room, (_, identity, t) in list(self.early.items()):
             if now - t > cfg.bootstrap_timeout_s:
                 del self.early[room]
@@ -198,7 +198,8 @@ class PrefillSide:
         del self.peers[identity]
         lost = [s for s in self.senders.values() if s.peer_identity == identity and s.state not in TERMINAL]
         for s in lost:
-            s.fail(ErrorCode.PEER_LOST, f"decode missed 3 heartbeats ({self.cfg.peer_lost_s:g}s)")
+            s.fail(ErrorCode.PEER_LOST, f"decode missed 3 heartbeats ({self.cfg.peer_lost_s:g}s)",
+                   peer_fault=True)
             self.draining.extend(s.drain())
         for room in [r for r, (_, i, _) in self.early.items() if i == identity]:
             del self.early[room]

@@ -39,12 +39,13 @@ class _Room:
     def poll(self) -> KVPoll:
         return self.state
 
-    def fail(self, code: ErrorCode, message: str, tell_peer: bool = False) -> bool:
-        """Move to FAILED (once), free buffers; tell the peer with an Abort when asked."""
+    def fail(self, code: ErrorCode, message: str, tell_peer: bool = False, peer_fault: bool = False) -> bool:
+        """Move to FAILED (once), free buffers; tell the peer with an Abort when asked. `peer_fault`:
+        the other side caused it (see TransferError)."""
         if self.state in TERMINAL:
             return False
         self.state = KVPoll.FAILED
-        self.error = TransferError(code, f"room {self.room}: {message}")
+        self.error = TransferError(code, f"room {self.room}: {message}", peer_fault)
         self._free()
         log.info("%s FAILED: %s", type(self).__name__, self.error.message)
         if tell_peer:

@@ -33,12 +33,15 @@ class ErrorCode(IntEnum):
 
 
 class TransferError(Exception):
-    """Why a room failed: a code and a human-readable message naming the room."""
+    """Why a room failed: a code and a human-readable message naming the room. `peer_fault` is True
+    when the other side caused it (it went silent, it timed out, it aborted the room), so a service
+    can tell its router which worker to blame."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, peer_fault: bool = False) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
+        self.peer_fault = peer_fault
 
     def __repr__(self) -> str:
         return f"TransferError({self.code.name}, {self.message!r})"

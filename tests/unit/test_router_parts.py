@@ -65,9 +65,9 @@ def test_registry_ejects_after_threshold_and_readmits():
     assert w.healthy and not w.eligible  # prefill without a bootstrap port
     w.bootstrap_port = 8998
     assert reg.eligible("prefill") == [w]
-    reg.record_failure(w, "boom")
+    reg.record_failure(w, "boom", probe=True)
     assert w.eligible
-    reg.record_failure(w, "boom")
+    reg.record_failure(w, "boom", probe=True)
     assert not w.eligible and ejected == [w] and w.ejections == 1
     reg.record_success(w)
     assert w.eligible and w.consecutive_failures == 0

@@ -17,6 +17,7 @@ def test_bootstrap_timeout_when_decode_never_arrives():
         pump([p], lambda: s.poll() == KVPoll.FAILED)
         assert time.monotonic() - t0 >= 0.3
         assert s.error.code == ErrorCode.TIMEOUT and "no TransferInfo" in s.error.message
+        assert s.error.peer_fault  # the decode never came: the router blames the decode
         s.release()
         assert p.active_rooms() == 0
     finally:
@@ -33,6 +34,7 @@ def test_waiting_timeout_when_kv_never_arrives():
         s.send([3], is_last=False)  # half the KV, then nothing
         pump([p, d], lambda: r.poll() == KVPoll.FAILED and s.poll() == KVPoll.FAILED)
         assert r.error.code == ErrorCode.TIMEOUT and "not complete within" in r.error.message
+        assert r.error.peer_fault
         assert "not complete within" in s.error.message  # the abort carried the reason
         assert d.stats()["pending_recvs"] == 0 and p.stats()["pending_sends"] == 0
     finally:
@@ -62,6 +64,7 @@ def test_prefill_silent_fails_receiver_after_missed_heartbeats():
         pump([d], lambda: r.poll() == KVPoll.FAILED)  # the prefill stops progressing
         assert time.monotonic() - t0 >= 0.3
         assert r.error.code == ErrorCode.PEER_LOST and "heartbeats" in r.error.message
+        assert r.error.peer_fault  # a silent prefill is the prefill's fault, not the reporting decode's
         assert d.stats()["peers"] == 0
     finally:
         p.close()
@@ -77,6 +80,7 @@ def test_decode_gone_fails_sender_after_missed_heartbeats():
         d.close()
         pump([p], lambda: s.poll() == KVPoll.FAILED)
         assert s.error.code == ErrorCode.PEER_LOST and "decode" in s.error.message
+        assert s.error.peer_fault
     finally:
         p.close()
 
