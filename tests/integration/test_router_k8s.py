@@ -88,6 +88,8 @@ def test_k8s_discovery_list_watch_and_requests():
             "app=pdserve",
             "--k8s-port",
             str(port),
+            "--worker-wait",
+            "0",  # the last request checks the immediate 503 with no prefill pod left
         ]
     )
     try:
