@@ -106,3 +106,76 @@ def test_configs_it_cannot_run_exactly_are_refused(tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_dir(tmp_path)
+
+
+def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def test_long_generation_holds_only_the_window_pages(swa_model):
+    """Mistral (window on every layer) holds O(window) pages through a 600-token prompt and 120 new
+    tokens; Qwen2 here has a full-attention layer, so it must keep every page."""
+    from engine.request import Req
+
+    path, hf, windows = swa_model
+    llm = LLM(EngineConfig(model=str(path), max_total_tokens=4096, page_size=16, chunked_prefill_size=64))
+    ids = _prompts()[-1]  # 600 tokens
+    req = Req(rid="long", input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=120,
+                                                                 ignore_eos=True))
+    llm.scheduler.add(req)
+    alloc, peak = llm.runner.pool.allocator, 0
+    while llm.scheduler.has_work():
+        llm.scheduler.step()
+        peak = max(peak, alloc.num_used)
+    if 0 in windows:
+        assert llm.scheduler.kv.trimmed_pages == 0 and peak == (600 + 120 - 1 + 15) // 16
+    else:  # window 64 + one 64-token chunk (+ the page a window straddles, + the page being filled)
+        assert peak <= (64 + 64) // 16 + 2, peak
+        assert llm.scheduler.kv.trimmed_pages >= (600 + 120 - 64) // 16 - 2
+    assert req.output_ids == _hf_greedy(hf, [ids], 120)[0]
+    assert llm.scheduler.kv.all_free()
+
+
+def test_full_attention_layers_keep_every_page(swa_model):
+    path, _, windows = swa_model
+    llm = LLM(EngineConfig(model=str(path), max_total_tokens=4096, page_size=16, chunked_prefill_size=64))
+    assert llm.scheduler.kv.window == (0 if 0 in windows else 64)
+
+
+def test_retraction_with_freed_pages_reloads_exactly(swa_model):
+    """Retract requests mid-generation (their KV to the host: for Mistral only the live pages, with
+    holes where out-of-window pages were freed), reload them, and still match transformers."""
+    from engine.request import Req
+
+    path, hf, windows = swa_model
+    llm = LLM(EngineConfig(model=str(path), max_total_tokens=4096, page_size=16, chunked_prefill_size=64,
+                           host_kv_tokens=4096))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 49000, (300,), generator=g).tolist() for _ in range(3)]
+    sched = llm.scheduler
+    reqs = [Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=40,
+                                                                    ignore_eos=True))
+            for i, ids in enumerate(prompts)]
+    for r in reqs:
+        sched.add(r)
+    retracted = []
+    while sched.has_work():
+        sched.step()
+        if not retracted and len(sched.running) == 3 and all(len(r.output_ids) >= 20 for r in sched.running):
+            for r in list(sched.running[:2]):
+                host_before = sched.kv.host.allocator.num_used
+                live = len(r.pages) - r.dropped_pages
+                sched.retract(r)
+                assert sched.kv.host.allocator.num_used - host_before == live  # only live pages move
+                retracted.append((r, r.dropped_pages))
+    assert len(retracted) == 2 and all(r.retractions == 1 for r, _ in retracted)
+    assert all(dropped > 0 for _, dropped in retracted) == (0 not in windows)
+    assert [r.output_ids for r in reqs] == _hf_greedy(hf, prompts, 40)
+    assert sched.kv.all_free()
