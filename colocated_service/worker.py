@@ -55,5 +55,5 @@ class ColocatedRole:
 def run_colocated_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
     runner = ModelRunner(cfg.engine)
-    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool))
+    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

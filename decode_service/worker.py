@@ -168,6 +168,6 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
-    role = DecodeRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool), mgr)
+    role = DecodeRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window), mgr)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

@@ -30,6 +30,37 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+def _sliding_windows(cfg: dict, mtype: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's attention window in tokens (0: full causal attention), as transformers reads it:
+    a query at position p sees keys p-W+1..p. Mistral: `sliding_window` on every layer; Qwen2:
+    `use_sliding_window` from layer `max_window_layers` on, or an explicit `layer_types`. A field this
+    engine cannot run exactly raises ValueError naming it (never run approximately)."""
+    for key in ("attention_chunk_size", "sliding_window_pattern", "global_attn_every_n_layers"):
+        if cfg.get(key):
+            raise ValueError(f"config.json field {key!r} ({cfg[key]!r}) is not supported by this engine")
+    window = cfg.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"config.json field 'sliding_window' must be a positive integer or null, got {window!r}")
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in _ATTENTION_KINDS for k in kinds):
+            raise ValueError(f"config.json field 'layer_types' must list {num_layers} of {_ATTENTION_KINDS}, "
+                             f"got {kinds!r}")
+    elif mtype == "qwen2":
+        use = bool(cfg.get("use_sliding_window", False)) and window is not None
+        first = cfg.get("max_window_layers", num_layers)
+        kinds = ["sliding_attention" if use and i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        kinds = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    if "sliding_attention" in kinds and window is None:
+        raise ValueError("config.json field 'layer_types' names sliding_attention layers but 'sliding_window' "
+                         "is null")
+    return tuple(window if k == "sliding_attention" else 0 for k in kinds)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hidden_size: int
@@ -48,6 +79,16 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     model_type: str
+    sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = no layer has a window
+
+    def window(self, layer: int) -> int:
+        """Layer's attention window in tokens, 0 for full causal attention."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """Tokens back a query can see in the widest layer: 0 when any layer attends to everything."""
+        return 0 if not self.sliding_windows or 0 in self.sliding_windows else max(self.sliding_windows)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -58,6 +99,7 @@ class ModelConfig:
         mtype = cfg.get("model_type", "llama")
         if mtype not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model_type {mtype!r} is not a Llama-family model this engine runs")
+        windows = _sliding_windows(cfg, mtype, cfg["num_hidden_layers"])
         return cls(
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -75,6 +117,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=mtype,
+            sliding_windows=windows if any(windows) else (),
         )
 
 

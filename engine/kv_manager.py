@@ -4,6 +4,12 @@ admission rule.
 All page movement of a request goes through here, so "every page and host copy is freed" has one
 place to hold. The admission rule (`reservation`, `can_admit`) is written here once and used by the
 colocated scheduler, the PD decode's pre-allocation and the extend planner alike.
+
+Sliding-window models (`window` > 0: every layer attends to at most that many tokens back) never
+read a page again once it lies wholly before the next query's window: `trim` frees such pages while
+the request runs and leaves 0 (the reserved page) in their place in `req.pages`, which stays indexed
+by position; `req.dropped_pages` counts them. A long generation then holds O(window) pages, and
+retraction offloads only the live ones.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, host_pool: HostKVPool) -> None:
+    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0) -> None:
         self.pool = pool
         self.host = host_pool
         self.page_size = pool.page_size
+        self.window = window  # tokens the widest layer looks back; 0 = some layer sees everything
         self.retractions = 0
         self.reloads = 0
+        self.trimmed_pages = 0  # pages freed because they fell out of every layer's window
 
     def extra_pages(self, req: Req, new_tokens: int) -> int:
         """Pages req still needs so that kv_len + new_tokens tokens fit."""
@@ -56,29 +64,45 @@ class KVManager:
     def free_pages(self) -> int:
         return self.pool.allocator.num_free
 
+    def trim(self, req: Req) -> int:
+        """Free the pages no future query of `req` can see (sliding window); returns how many."""
+        if not self.window or req.host_pages:
+            return 0
+        # the next query sits at position kv_len and sees kv_len-window+1..kv_len
+        keep_from = min(max(0, req.kv_len - self.window + 1) // self.page_size, len(req.pages))
+        if keep_from <= req.dropped_pages:
+            return 0
+        gone = req.pages[req.dropped_pages : keep_from]
+        self.pool.allocator.free(gone)
+        req.pages[req.dropped_pages : keep_from] = [0] * len(gone)
+        req.dropped_pages = keep_from
+        self.trimmed_pages += len(gone)
+        return len(gone)
+
     def release(self, req: Req) -> None:
         """Free every device page and host copy the request holds (idempotent)."""
         if req.pages:
-            self.pool.allocator.free(req.pages)
+            self.pool.allocator.free(req.pages[req.dropped_pages :])
             req.pages = []
         if req.host_pages:
             self.host.free(req.host_pages)
             req.host_pages = []
 
     def can_offload(self, req: Req) -> bool:
-        return self.host.can_hold(len(req.pages))
+        return self.host.can_hold(len(req.pages) - req.dropped_pages)
 
     def offload(self, req: Req) -> None:
-        """Retract: copy the request's KV pages to the host pool and free the device pages."""
-        assert req.pages and not req.host_pages
-        req.host_pages = self.host.offload(self.pool, req.pages)
-        self.pool.allocator.free(req.pages)
+        """Retract: copy the request's live KV pages to the host pool and free the device pages."""
+        live = req.pages[req.dropped_pages :]
+        assert live and not req.host_pages
+        req.host_pages = self.host.offload(self.pool, live)
+        self.pool.allocator.free(live)
         req.pages = []
         req.retractions += 1
         self.retractions += 1
 
     def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
-        need = pages_for(req.kv_len + extra_tokens, self.page_size)
+        need = pages_for(req.kv_len + extra_tokens, self.page_size) - req.dropped_pages
         return self.pool.allocator.can_allocate(need)
 
     def reload(self, req: Req) -> None:
@@ -86,7 +110,7 @@ class KVManager:
         assert req.host_pages and not req.pages
         pages = self.pool.allocator.allocate(len(req.host_pages))
         self.host.reload(self.pool, req.host_pages, pages)
-        req.pages = pages
+        req.pages = [0] * req.dropped_pages + pages
         req.host_pages = []
         self.reloads += 1
 

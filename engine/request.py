@@ -36,6 +36,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # device pages, in token order
     host_pages: list[int] = field(default_factory=list)  # host copy while retracted
+    dropped_pages: int = 0  # leading pages freed as out of the sliding window (0 in `pages`)
     kv_len: int = 0
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None

@@ -89,7 +89,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
-        self.kv = kv or KVManager(runner.pool, runner.host_pool)
+        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
         self.exec = make_executor(runner, cfg)
         self.planner = ExtendPlanner(self.kv, cfg)
         self.waiting: deque[Req] = deque()
@@ -121,6 +121,8 @@ class Scheduler:
         decode = self._prepare_decode()
         extend = self.planner.plan(self.waiting, self.running)
         result = self.exec.run(extend, decode)
+        for r in decode + [it.req for it in extend]:
+            self.kv.trim(r)  # sliding-window models: drop pages no later query reads
         for it in result.extended:
             if it.completes_prompt:
                 self.waiting.remove(it.req)
@@ -192,5 +194,5 @@ class Scheduler:
             "kv_total_tokens": self.kv.pool.total_tokens,
             "host_kv_used_pages": 0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
             "counters": {"retractions": self.kv.retractions, "reloads": self.kv.reloads,
-                         "forward_tokens": self.exec.forward_tokens},
+                         "forward_tokens": self.exec.forward_tokens, "window_freed_pages": self.kv.trimmed_pages},
         }

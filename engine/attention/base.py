@@ -1,8 +1,10 @@
 """Attention backend interface over the paged KV pool (layout: docs/architecture.md).
 
 A backend computes attention for a batch of requests whose new tokens' K/V are already written to
-the pool. Query i of request b sits at absolute position seq_lens[b] - q_lens[b] + i and attends
-causally to cache positions 0..that position. GQA: query head h reads KV head h // group.
+the pool. Query i of request b sits at absolute position p = seq_lens[b] - q_lens[b] + i and attends
+causally to cache positions 0..p, or with a sliding window W > 0 to p-W+1..p only (keys before
+the window are never read, so their pages may hold anything). GQA: query head h reads KV head
+h // group.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class AttentionBackend(Protocol):
         k_pages: torch.Tensor,  # [P, page_size, Hkv, D]
         v_pages: torch.Tensor,  # [P, page_size, Hkv, D]
         meta: AttentionMetadata,
+        window: int = 0,  # sliding window in tokens; 0 = full causal attention
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 

@@ -19,12 +19,13 @@ class TorchAttention:
     name = "torch"
 
     def forward(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
+        window: int = 0,
     ) -> torch.Tensor:
         hq, hkv = q.shape[1], k_pages.shape[2]
         group = hq // hkv
         if meta.max_q_len == 1:
-            return self._decode(q, k_pages, v_pages, meta, group)
+            return self._decode(q, k_pages, v_pages, meta, group, window)
         out = torch.empty_like(q)
         start = 0
         for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
@@ -35,12 +36,15 @@ class TorchAttention:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hq, S, D]
-            if q_len == 1:
+            if q_len == 1 and not window:
                 o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale)
             else:
                 # causal with an offset: query i (absolute pos seq_len-q_len+i) sees keys <= that pos
                 pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q  # [q_len, S]
+                pos_k = torch.arange(seq_len, device=q.device)[None, :]
+                mask = pos_k <= pos_q  # [q_len, S]
+                if window:
+                    mask &= pos_k > pos_q - window
                 o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=meta.scale)
             out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
@@ -48,7 +52,7 @@ class TorchAttention:
 
     @staticmethod
     def _decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
-                group: int) -> torch.Tensor:
+                group: int, window: int) -> torch.Tensor:
         """All requests at once: one query each, keys gathered into a padded [B, S] block."""
         b, hq, d = q.shape
         hkv, ps = k_pages.shape[2], k_pages.shape[1]
@@ -57,7 +61,10 @@ class TorchAttention:
         s = npages * ps
         k = k_pages[table].reshape(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
         v = v_pages[table].reshape(b, s, hkv, d).transpose(1, 2)
-        mask = torch.arange(s, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, S]
+        pos = torch.arange(s, device=q.device)[None, :]
+        mask = pos < meta.seq_lens[:, None]  # [B, S]
+        if window:
+            mask &= pos >= meta.seq_lens[:, None] - window
         qg = q.view(b, hkv, group, d)  # query heads of one KV head side by side
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=meta.scale)
         return o.reshape(b, hq, d)

@@ -54,7 +54,8 @@ class TritonAttention:
         self.cfg = cfg or TritonAttentionConfig()
 
     def forward(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, meta: AttentionMetadata,
+        window: int = 0,
     ) -> torch.Tensor:
         # q: [T, Hq, D]; k_pages, v_pages: [P, page_size, Hkv, D] (strided layer views)
         _check_inputs(q, k_pages, v_pages, meta)
@@ -62,17 +63,18 @@ class TritonAttention:
         if q.shape[0] == 0:
             return out
         if meta.max_q_len == 1 and all(n == 1 for n in meta.q_lens_list):
-            self._decode(q, k_pages, v_pages, meta, out)
+            self._decode(q, k_pages, v_pages, meta, out, window)
         else:
-            self._extend(q, k_pages, v_pages, meta, out)
+            self._extend(q, k_pages, v_pages, meta, out, window)
         return out  # [T, Hq, D]
 
-    def _decode(self, q, k_pages, v_pages, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def _decode(self, q, k_pages, v_pages, meta: AttentionMetadata, out: torch.Tensor, window: int) -> None:
         cfg = self.cfg
         batch, hq, d = len(meta.seq_lens_list), q.shape[1], q.shape[2]
         hkv = k_pages.shape[2]
         group = hq // hkv
-        splits = decode_splits(batch, hkv, meta.max_seq_len, cfg)
+        visible = min(meta.max_seq_len, window) if window > 0 else meta.max_seq_len
+        splits = decode_splits(batch, hkv, visible, cfg)
         if splits == 1:
             # stage 1 writes the final rows: row b of out is request b (q_starts == arange here)
             mid, lse = out, out
@@ -86,7 +88,7 @@ class TritonAttention:
         block_d = triton.next_power_of_2(d)
         kern.decode_stage1_kernel[(batch, hkv, splits)](
             q, k_pages, v_pages, meta.page_table, meta.seq_lens, meta.q_starts, mid, lse,
-            meta.scale * kern.LOG2E,
+            meta.scale * kern.LOG2E, window,
             *q.stride(), *k_pages.stride(), *v_pages.stride(), meta.page_table.stride(0),
             *sm, *sl,
             HEAD_DIM=d, GROUP=group, PAGE_SIZE=meta.page_size,
@@ -101,7 +103,7 @@ class TritonAttention:
                 BLOCK_S=triton.next_power_of_2(splits), num_warps=cfg.num_warps,
             )
 
-    def _extend(self, q, k_pages, v_pages, meta: AttentionMetadata, out: torch.Tensor) -> None:
+    def _extend(self, q, k_pages, v_pages, meta: AttentionMetadata, out: torch.Tensor, window: int) -> None:
         cfg = self.cfg
         batch, hq, d = len(meta.seq_lens_list), q.shape[1], q.shape[2]
         group = hq // k_pages.shape[2]
@@ -113,7 +115,7 @@ class TritonAttention:
             block_n = min(block_n, 32)
         kern.extend_kernel[grid](
             q, k_pages, v_pages, out, meta.page_table, meta.seq_lens, meta.q_lens, meta.q_starts,
-            meta.scale * kern.LOG2E,
+            meta.scale * kern.LOG2E, window,
             *q.stride(), *k_pages.stride(), *v_pages.stride(), meta.page_table.stride(0),
             out.stride(0), out.stride(1),
             HEAD_DIM=d, GROUP=group, PAGE_SIZE=meta.page_size,

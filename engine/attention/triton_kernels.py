@@ -11,6 +11,10 @@ Two kernels, both reading every key and value straight from the pool through the
   BLOCK_M queries of one head, loops over keys 0..(last visible position) in BLOCK_N blocks with the
   causal mask `key_pos <= seq_len - q_len + i`, online softmax in fp32.
 
+Sliding window (WINDOW > 0 tokens): a query at position p sees keys p-WINDOW+1..p. Both kernels start
+their key loop at the first block any of their queries can see (keys before it are never loaded, so
+their pages may be released) and mask the rest.
+
 Pool views are strided (`pool[:, layer, 0]` of `[num_pages, num_layers, 2, page_size, H, D]`): every
 stride is passed explicitly and page ids are widened to int64 before they scale a stride. Head dims
 that are not a power of two are padded to BLOCK_D and masked. Scores use exp2 with the scale folded
@@ -47,6 +51,7 @@ def _load_kv_block(
 def decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, q_starts_ptr, mid_ptr, lse_ptr,
     qk_scale,  # scale * log2(e)
+    window,  # sliding window in tokens, 0 = none
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
@@ -62,9 +67,10 @@ def decode_stage1_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     q_row = tl.load(q_starts_ptr + b).to(tl.int64)
-    # each split owns a BLOCK_N-aligned slice of the keys
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    # each split owns a BLOCK_N-aligned slice of the visible keys first..seq_len-1
+    first = tl.maximum(seq_len - window, 0) if window > 0 else 0
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -149,6 +155,7 @@ def decode_stage2_kernel(
 def extend_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, seq_lens_ptr, q_lens_ptr, q_starts_ptr,
     qk_scale,  # scale * log2(e)
+    window,  # sliding window in tokens, 0 = none
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
@@ -183,11 +190,14 @@ def extend_kernel(
     q_pos = prefix + offs_m  # absolute positions of these queries
     page_row = page_table_ptr + b.to(tl.int64) * stride_pt
     end = tl.minimum(seq_len, prefix + (mblk + 1) * BLOCK_M)  # keys past the last query are unseen
+    begin = 0
+    if window > 0:  # the block's first query sees nothing before its window: start at that block
+        begin = (tl.maximum(prefix + mblk * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         offs_n = start + offs_n0
         n_mask = offs_n < end
         k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
@@ -196,6 +206,8 @@ def extend_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if window > 0:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, NEG_BIG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)

@@ -1,4 +1,5 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Qwen2/2.5 with qkv bias, Mistral) over a paged KV pool.
+Sliding-window attention (Mistral, Qwen2's upper layers) is per layer: `ModelConfig.window(layer)`.
 
 Shapes: T = tokens of the whole batch (requests concatenated), Hq/Hkv = query/KV heads, D = head dim.
 The forward writes each layer's new K/V into the pool first, then attends over the pool.
@@ -82,6 +83,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.window = cfg.window(layer_id)  # sliding window in tokens, 0 = full attention
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
@@ -96,7 +98,7 @@ class Attention(nn.Module):
         v = v.view(t, self.hkv, self.d)
         ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
         k_pages, v_pages = ctx.pool.layer(self.layer_id)
-        o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta)  # [T, Hq, D]
+        o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.hq * self.d))
 
 
