@@ -88,6 +88,8 @@ def test_k8s_discovery_list_watch_and_requests():
             "app=pdserve",
             "--k8s-port",
             str(port),
+            "--worker-wait",
+            "0",  # the request without a prefill below gets its 503 at once, within the client's timeout
         ]
     )
     try:
