@@ -1,13 +1,15 @@
 """Latency the router adds, and its max request rate, against null backends that answer at once.
 
-Starts two null workers (one as prefill, one as decode) and a router, each in its own process, then for
-each concurrency sends N non-streaming `/generate` requests directly to the null decode and the same N
-through the router, in the same run. Reports per concurrency: p50/p99 latency direct and via router,
-the added p50/p99, and req/s both ways; `max_rps_router` is the best router rate seen.
+Starts two null workers (one as prefill, one as decode) and the routers under test (router_common:
+this checkout, optional baselines, sglang-router), each in its own process. For each concurrency it
+sends N non-streaming `/generate` requests directly to the null decode and the same N through each
+router, interleaved over `--rounds` rounds. Reports per concurrency and target: p50/p99 latency, the
+added p50/p99 over direct, and req/s (the median of the rounds).
 
-    python benchmarks/router_overhead.py --requests 2000 --concurrency 1,8,32 --out bench_out/router.json
+    python benchmarks/router_overhead.py --requests 2000 --concurrency 1,32 \
+        --sglang-router /tmp/sglr-venv/bin/python --out bench_out/router_overhead.json
 
-Note: the router makes two backend calls per request (prefill and decode) where the direct path makes one.
+Note: a router makes two backend calls per request (prefill and decode) where the direct path makes one.
 """
 
 from __future__ import annotations
@@ -16,17 +18,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+import orjson
+from router_common import Bench, Target, add_router_flags, client_pool, interleaved, load_average, pct
 
-ROOT = Path(__file__).resolve().parents[1]
-BODY = {"text": "hello", "sampling_params": {"max_new_tokens": 1}}
+BODY = orjson.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 1}})
 
 
 def null_app(role: str, port: int):
@@ -55,108 +55,75 @@ def null_app(role: str, port: int):
     return app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
-
-def _wait_ok(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-async def _run(url: str, n: int, concurrency: int) -> dict:
-    """n POSTs to url with `concurrency` in flight; latencies in ms and the achieved rate."""
+async def _run(t: Target, n: int, concurrency: int) -> dict:
+    """n POSTs with `concurrency` in flight; latencies in ms and the achieved rate."""
     lat: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-        await client.post(url, json=BODY)  # warm the connection
+    pool = client_pool(concurrency)
+    try:
+        await (await pool.post(t.url, "/generate", BODY)).read()  # warm a connection
         it = iter(range(n))
 
         async def worker() -> None:
             nonlocal errors
             for _ in it:
-                t = time.perf_counter()
-                r = await client.post(url, json=BODY)
-                lat.append((time.perf_counter() - t) * 1e3)
-                errors += r.status_code != 200
+                start = time.perf_counter()
+                r = await pool.post(t.url, "/generate", BODY)
+                await r.read()
+                lat.append((time.perf_counter() - start) * 1e3)
+                errors += r.status != 200
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return {"p50_ms": statistics.median(lat), "p99_ms": _pct(lat, 0.99), "rps": n / wall, "errors": errors}
+    finally:
+        pool.close()
+    return {"lat": lat, "rps": n / wall, "errors": errors}
 
 
-def measure(direct_url: str, router_url: str, n: int, levels: list[int]) -> dict:
+def measure(bench: Bench, n: int, levels: list[int], rounds: int) -> dict:
     rows = []
     for c in levels:
-        d = asyncio.run(_run(direct_url, n, c))
-        r = asyncio.run(_run(router_url, n, c))
-        rows.append(
-            {
-                "concurrency": c,
-                "requests": n,
-                "direct": d,
-                "router": r,
-                "added_p50_ms": r["p50_ms"] - d["p50_ms"],
-                "added_p99_ms": r["p99_ms"] - d["p99_ms"],
+        runs = interleaved(bench, rounds, lambda t, c=c: _run(t, n, c))
+        row: dict = {"concurrency": c, "requests": n, "rounds": rounds, "targets": {}}
+        for label, results in runs.items():
+            lat = [x for r in results for x in r["lat"]]
+            row["targets"][label] = {
+                "p50_ms": statistics.median(lat),
+                "p99_ms": pct(lat, 0.99),
+                "rps": statistics.median(r["rps"] for r in results),
+                "rps_rounds": [r["rps"] for r in results],
+                "errors": sum(r["errors"] for r in results),
+                "router_cpu_us_per_request": 1e6 * sum(r["router_cpu_s"] for r in results) / (n * rounds),
             }
-        )
-    return {
-        "rows": rows,
-        "max_rps_router": max(x["router"]["rps"] for x in rows),
-        "max_rps_direct": max(x["direct"]["rps"] for x in rows),
-    }
+        direct = row["targets"]["direct"]
+        for x in row["targets"].values():
+            x["added_p50_ms"] = x["p50_ms"] - direct["p50_ms"]
+            x["added_p99_ms"] = x["p99_ms"] - direct["p99_ms"]
+        rows.append(row)
+    return {"rows": rows}
 
 
 def _table(result: dict) -> str:
-    head = (
-        f"{'conc':>5} {'direct p50':>11} {'p99':>8} {'router p50':>11} {'p99':>8} {'added p50':>10} "
-        f"{'p99':>8} {'direct rps':>11} {'router rps':>11}"
-    )
-    lines = [head]
-    for x in result["rows"]:
-        d, r = x["direct"], x["router"]
-        lines.append(
-            f"{x['concurrency']:>5} {d['p50_ms']:>9.2f}ms {d['p99_ms']:>6.2f}ms {r['p50_ms']:>9.2f}ms "
-            f"{r['p99_ms']:>6.2f}ms {x['added_p50_ms']:>8.2f}ms {x['added_p99_ms']:>6.2f}ms "
-            f"{d['rps']:>11.0f} {r['rps']:>11.0f}"
-        )
-    lines.append(
-        f"max req/s via router: {result['max_rps_router']:.0f} (direct: {result['max_rps_direct']:.0f})"
-    )
+    head = f"{'conc':>5} {'target':<22} {'p50':>9} {'p99':>9} {'added p50':>10} {'added p99':>10} {'req/s':>7}"
+    lines = [head + f" {'cpu/req':>9} err"]
+    for row in result["rows"]:
+        for label, x in row["targets"].items():
+            lines.append(
+                f"{row['concurrency']:>5} {label:<22} {x['p50_ms']:>7.2f}ms {x['p99_ms']:>7.2f}ms "
+                f"{x['added_p50_ms']:>8.2f}ms {x['added_p99_ms']:>8.2f}ms {x['rps']:>7.0f} "
+                f"{x['router_cpu_us_per_request']:>7.0f}us {x['errors']}"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=1000, help="requests per concurrency level and path")
+    p.add_argument("--requests", type=int, default=1000, help="requests per concurrency level, target and round")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--out", default="bench_out/router_overhead.json", help="JSON result file")
     p.add_argument("--serve-null", default=None, metavar="ROLE:PORT", help=argparse.SUPPRESS)
+    add_router_flags(p)
     a = p.parse_args(argv)
     if a.serve_null:  # child process mode: one null worker
         import uvicorn
@@ -165,42 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.run(null_app(role, int(port)), host="127.0.0.1", port=int(port), log_level="warning")
         return 0
     levels = [int(x) for x in a.concurrency.split(",")]
-    if a.requests < 1 or not levels or min(levels) < 1:
-        p.error("--requests and every --concurrency level must be >= 1")
-    pp, dp, rp = _free_port(), _free_port(), _free_port()
-    me = str(Path(__file__).resolve())
-    procs = [
-        _spawn([me, "--serve-null", f"prefill:{pp}"]),
-        _spawn([me, "--serve-null", f"decode:{dp}"]),
-        _spawn(
-            [
-                "-m",
-                "router.main",
-                "--port",
-                str(rp),
-                "--prefill",
-                f"http://127.0.0.1:{pp}",
-                "--decode",
-                f"http://127.0.0.1:{dp}",
-                "--log-level",
-                "warning",
-            ]
-        ),
-    ]
+    if a.requests < 1 or not levels or min(levels) < 1 or a.rounds < 1:
+        p.error("--requests, --rounds and every --concurrency level must be >= 1")
+    bench = Bench([str(Path(__file__).resolve()), "--serve-null"])
     try:
-        _wait_ok(f"http://127.0.0.1:{pp}/health", procs[0])
-        _wait_ok(f"http://127.0.0.1:{dp}/health", procs[1])
-        _wait_ok(f"http://127.0.0.1:{rp}/health", procs[2])
-        result = measure(
-            f"http://127.0.0.1:{dp}/generate", f"http://127.0.0.1:{rp}/generate", a.requests, levels
-        )
+        bench.start(a)
+        load_before = load_average()
+        result = measure(bench, a.requests, levels, a.rounds)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(10)
-    result["cpu_count"] = os.cpu_count()
+        bench.stop()
+    result.update(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_average())
+    result["skipped"] = bench.skipped
     print(_table(result))
+    print(f"load average before/after: {load_before} / {result['load_average_after']}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")

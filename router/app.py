@@ -89,7 +89,8 @@ async def _read_json(request: Request):
     return parse_json(await request.body())
 
 
-def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
+def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndpoints:
+    """The router as an ASGI app: the proxied endpoints in front of the FastAPI app (router.asgi)."""
     st = state or RouterState(cfg)
 
     @asynccontextmanager
@@ -102,8 +103,6 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = st
-
-    app.add_middleware(ProxyEndpoints, state=st)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -137,7 +136,7 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
         return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
 
     _add_admin_routes(app, cfg, st)
-    return app
+    return ProxyEndpoints(app, st)
 
 
 def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:

@@ -1,10 +1,10 @@
 """The proxied endpoints as plain ASGI, in front of the FastAPI app that serves everything else.
 
 `POST /v1/chat/completions`, `/v1/completions`, `/generate` are the router's hot path: FastAPI's
-request objects, routing and StreamingResponse cost more per request than the proxying itself, so
-`ProxyEndpoints` (a middleware: it sees each request first) answers these three paths from the raw
-ASGI scope and hands every other request to the app. Behaviour is the app's: the same auth check,
-status codes, error bodies, Retry-After and metrics.
+middleware layers, request objects, routing and StreamingResponse cost more per request than the
+proxying itself, so `ProxyEndpoints` (the ASGI app uvicorn serves) answers these three paths from the
+raw ASGI scope and hands every other request, and the lifespan, to the FastAPI app. Behaviour is
+the app's: the same auth check, status codes, error bodies, Retry-After and metrics.
 
 1. Check `Authorization` (when API keys are configured); read the body; parse it once (orjson).
 2. Unary: `Proxy.unary` -> decode's bytes, sent with their length.
@@ -113,7 +113,7 @@ async def _send_stream(send: Send, receive: Receive, body: AsyncIterator[bytes])
 
 
 class ProxyEndpoints:
-    """ASGI middleware: answers the proxied endpoints itself, passes the rest to `app`."""
+    """ASGI app: answers the proxied endpoints itself, passes the rest to `app` (FastAPI)."""
 
     def __init__(self, app, state) -> None:
         self.app = app

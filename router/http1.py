@@ -57,6 +57,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self._parser = httptools.HttpResponseParser(self)
+        self._timer: asyncio.TimerHandle | None = None  # one lazy read-timeout timer per connection
+        self._deadline = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -122,26 +124,40 @@ class _Conn(asyncio.Protocol):
 
     def _close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.close()
 
     async def wait(self, timeout_s: float) -> None:
-        """Wait for the next parser event (headers, a chunk, the end, a failure)."""
+        """Wait for the next parser event (headers, a chunk, the end, a failure), at most `timeout_s`.
+
+        The timer is armed once and moved lazily: a stream's events only push the deadline forward,
+        and the timer, when it fires early, re-arms itself for the deadline."""
         if self.error is not None:
             raise self.error
         loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout_s
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer, timeout_s)
         self._waiter = w = loop.create_future()
-        timer = loop.call_later(timeout_s, self._timeout, w, timeout_s)
         try:
             await w
         finally:
-            timer.cancel()
             self._waiter = None
 
-    def _timeout(self, w: asyncio.Future, timeout_s: float) -> None:
-        if not w.done():
-            w.set_exception(ReadTimeout(f"no answer within {timeout_s:g}s"))
-            self._close()
+    def _on_timer(self, timeout_s: float) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # no wait in progress: the next wait arms a new timer
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            self._timer = loop.call_at(self._deadline, self._on_timer, timeout_s)
+            return
+        w.set_exception(ReadTimeout(f"no answer within {timeout_s:g}s"))
+        self._close()
 
     def take(self) -> bytes:
         data = b"".join(self._chunks)

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
         loop="uvloop" if sys.platform != "win32" else "asyncio",
         http="httptools",
+        proxy_headers=False,  # the router reads no client address; X-Forwarded-* parsing costs per request
     )
     if cfg.processes == 1:
         uvicorn.run(create_app(cfg), **serve)

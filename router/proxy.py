@@ -34,7 +34,7 @@ from router.metrics import RouterMetrics
 from router.policies import Policy
 from router.protocol import ProxyRequest, error_body, error_of, fault_of, merge_input_logprobs, sse_event
 from router.registry import Lease, Registry, Worker
-from router.sse import SSEReader, event_json, is_done, may_be_error
+from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
 Disconnected = Callable[[], Awaitable[None]]
 
@@ -337,14 +337,13 @@ class Proxy:
             while events is not None:
                 done = False
                 for i, raw in enumerate(events):
-                    if may_be_error(raw) and error_of(event_json(raw)) is not None:
+                    if ERROR_KEY in raw and error_of(event_json(raw)) is not None:
                         outcome = "stream_error"
-                    if is_done(raw):
+                    if len(raw) < 24 and is_done(raw):
                         done = True
                         del events[i + 1 :]
                         break
-                events.append(b"")
-                yield b"\n\n".join(events)
+                yield events[0] + b"\n\n" if len(events) == 1 else b"\n\n".join(events) + b"\n\n"
                 if done:
                     break
                 try:

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 DONE = "[DONE]"
-_ERROR_KEY = b'"error"'
+ERROR_KEY = b'"error"'  # in the bytes of every error event (see may_be_error)
 
 
 class SSEReader:
@@ -41,6 +41,10 @@ class SSEReader:
         self._eof = False
 
     def _split(self, chunk: bytes) -> None:
+        if not self._buf and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2:
+            if b"\r" not in chunk and chunk[:-2].strip():  # the common case: one whole event
+                self._events.append(chunk[:-2])
+                return
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
@@ -82,7 +86,7 @@ def is_done(raw: bytes) -> bool:
 
 def may_be_error(raw: bytes) -> bool:
     """False when the event surely is no error object (no `"error"` in its bytes)."""
-    return _ERROR_KEY in raw
+    return ERROR_KEY in raw
 
 
 def event_data(raw: bytes) -> bytes | None:
