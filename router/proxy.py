@@ -37,6 +37,7 @@ from router.registry import Lease, Registry, Worker
 from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
 Disconnected = Callable[[], Awaitable[None]]
+WATCH_AFTER_S = 0.05  # a client disconnect is noticed at most this much later than it happened
 
 
 class ProxyError(Exception):
@@ -202,14 +203,23 @@ class Proxy:
         disconnected: Disconnected | None,
     ) -> None:
         """Wait until decode answered (and prefill too when its logprobs are needed); fail fast on
-        either side's failure or a client disconnect."""
-        watch = asyncio.ensure_future((disconnected or _never)())
+        either side's failure or a client disconnect. The disconnect watcher (a task) starts only
+        when the answer takes longer than WATCH_AFTER_S: most fast answers never need one."""
+        watch: asyncio.Future | None = None
         pending = {p_task, d_task}
         try:
             while d_task in pending or (req.input_logprobs and p_task in pending):
-                done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done:
-                    raise ClientGone()
+                if watch is None:
+                    done, _ = await asyncio.wait(
+                        pending, timeout=WATCH_AFTER_S, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:
+                        watch = asyncio.ensure_future((disconnected or _never)())
+                        continue
+                else:
+                    done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                    if watch in done:
+                        raise ClientGone()
                 for t in done:
                     pending.discard(t)
                     res = t.result()
@@ -217,7 +227,8 @@ class Proxy:
                         "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res, pair
                     )
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
 
     # ---- one attempt ----------------------------------------------------------------------------------
     async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int) -> SideResult:
