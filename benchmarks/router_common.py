@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -186,3 +187,32 @@ def cpu_seconds(proc: subprocess.Popen | None) -> float:
         total += stats.get(pid, (0, 0.0))[1]
         todo += [c for c, (pp, _) in stats.items() if pp == pid]
     return total
+
+
+def serve_null(spec: str, app) -> int:
+    """Child process mode: serve `app(role, port)` for `spec` = ROLE:PORT."""
+    import uvicorn
+
+    role, port = spec.split(":")
+    uvicorn.run(app(role, int(port)), host="127.0.0.1", port=int(port), log_level="warning")
+    return 0
+
+
+def run_bench(script: str, a: argparse.Namespace, measure, table) -> int:
+    """Start the null workers and routers, `measure(bench)`, stop them; print `table(result)` and
+    write the result (with the machine's load average before and after) to `a.out` as JSON."""
+    bench = Bench([str(Path(script).resolve()), "--serve-null"])
+    try:
+        bench.start(a)
+        load_before = load_average()
+        result = measure(bench)
+    finally:
+        bench.stop()
+    result.update(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_average())
+    result["skipped"] = bench.skipped
+    print(table(result))
+    print(f"load average before/after: {load_before} / {result['load_average_after']}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {a.out}")
+    return 0

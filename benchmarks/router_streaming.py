@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import orjson
-from router_common import Bench, Target, add_router_flags, client_pool, interleaved, load_average, pct
+from router_common import Bench, Target, add_router_flags, client_pool, interleaved, pct, run_bench, serve_null
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -183,29 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     add_router_flags(p)
     a = p.parse_args(argv)
     if a.serve_null:  # child process mode: one null worker
-        import uvicorn
-
-        role, port = a.serve_null.split(":")
-        uvicorn.run(null_stream_app(role, int(port)), host="127.0.0.1", port=int(port), log_level="warning")
-        return 0
+        return serve_null(a.serve_null, null_stream_app)
     levels = [int(x) for x in a.streams.split(",")]
     if not levels or min(levels) < 1 or a.events < 1 or a.interval_ms <= 0 or a.rounds < 1:
         p.error("--streams, --events, --rounds must be >= 1 and --interval-ms > 0")
-    bench = Bench([str(Path(__file__).resolve()), "--serve-null"])
-    try:
-        bench.start(a)
-        load_before = load_average()
-        result = measure(bench, a, levels)
-    finally:
-        bench.stop()
-    result.update(cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_average())
-    result["skipped"] = bench.skipped
-    print(_table(result))
-    print(f"load average before/after: {load_before} / {result['load_average_after']}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
-    return 0
+    return run_bench(__file__, a, lambda bench: measure(bench, a, levels), _table)
 
 
 if __name__ == "__main__":
