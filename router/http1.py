@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
@@ -51,7 +52,7 @@ _PAUSE_BYTES = 1 << 20  # stop reading a streamed answer while this much is buff
 class _Conn(asyncio.Protocol):
     """One connection and the answer in progress on it (one request at a time)."""
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: tuple[str, str, int]) -> None:
         self.key = key
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -226,17 +227,18 @@ class Pool:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self._extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (headers or {}).items())
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
+        self._idle: dict[tuple[str, str, int], list[_Conn]] = {}
+        self._heads: dict[tuple[str, str], tuple[tuple[str, str, int], bytes]] = {}
+        self._ssl: ssl.SSLContext | None = None  # made on the first https worker
 
-    def _head(self, url: str, path: str) -> tuple[tuple[str, int], bytes]:
-        """(host, port) and the request head up to Content-Length, built once per worker and path."""
+    def _head(self, url: str, path: str) -> tuple[tuple[str, str, int], bytes]:
+        """(scheme, host, port) and the request head up to Content-Length, built once per worker and path."""
         cached = self._heads.get((url, path))
         if cached is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ConnectError(f"only http:// workers are supported on the hot path, got {url!r}")
-            key = (parts.hostname, parts.port or 80)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConnectError(f"worker URL must be http:// or https://, got {url!r}")
+            key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
             head = (
                 f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
                 "Accept: */*\r\n"
@@ -244,19 +246,24 @@ class Pool:
             cached = self._heads[(url, path)] = (key, head + self._extra + b"Content-Length: ")
         return cached
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    async def _connect(self, key: tuple[str, str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
+        scheme, host, port = key
+        tls: dict = {}
+        if scheme == "https":
+            self._ssl = self._ssl or ssl.create_default_context()
+            tls = {"ssl": self._ssl, "server_hostname": host}
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(key), key[0], key[1]), self.connect_timeout_s
+                loop.create_connection(lambda: _Conn(key), host, port, **tls), self.connect_timeout_s
             )
         except asyncio.TimeoutError as e:
-            raise ConnectTimeout(f"connecting to {key[0]}:{key[1]} took over {self.connect_timeout_s:g}s") from e
-        except OSError as e:
-            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e}") from e
+            raise ConnectTimeout(f"connecting to {host}:{port} took over {self.connect_timeout_s:g}s") from e
+        except OSError as e:  # ssl.SSLError included
+            raise ConnectError(f"cannot connect to {host}:{port}: {e}") from e
         return conn
 
-    def _acquire_idle(self, key: tuple[str, int]) -> _Conn | None:
+    def _acquire_idle(self, key: tuple[str, str, int]) -> _Conn | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
