@@ -1,6 +1,7 @@
 """The router's FastAPI app.
 
-    POST /v1/chat/completions, /v1/completions, /generate   proxied to a prefill/decode pair (router.proxy)
+    POST /v1/chat/completions, /v1/completions, /generate   proxied to a prefill/decode pair (router.proxy),
+                                                            answered as plain ASGI (router.asgi)
     GET  /v1/models                                         from a healthy decode worker
     GET  /health        200 when at least one prefill and one decode are eligible, else 503
     GET  /livez         200 while the process serves HTTP
@@ -11,25 +12,23 @@ Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import math
-import time
 from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from router.asgi import ProxyEndpoints, auth_error, parse_json
 from router.client import WorkerClient
 from router.config import RouterConfig, WorkerSpec
 from router.discovery_k8s import K8sDiscovery
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.policies import make_policy
-from router.protocol import BadRequest, error_body, parse_request
-from router.proxy import ClientGone, Proxy, ProxyError
+from router.protocol import BadRequest, error_body
+from router.proxy import Proxy
 from router.registry import Registry
 
 log = logging.getLogger("router.app")
@@ -82,32 +81,16 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _authorized(cfg: RouterConfig, request: Request) -> JSONResponse | None:
-    if not cfg.api_keys:
-        return None
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return _error(401, "missing API key: send 'Authorization: Bearer <key>'")
-    key = key.strip()
-    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in cfg.api_keys):
-        return _error(401, "invalid API key")
-    return None
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    denied = auth_error(cfg, request.headers.get("authorization", ""))
+    return None if denied is None else _error(401, denied)
 
 
 async def _read_json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    return parse_json(await request.body())
 
 
-def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
+def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndpoints:
+    """The router as an ASGI app: the proxied endpoints in front of the FastAPI app (router.asgi)."""
     st = state or RouterState(cfg)
 
     @asynccontextmanager
@@ -120,48 +103,6 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = st
-
-    async def proxied(endpoint: str, request: Request) -> Response:
-        t0 = time.monotonic()
-        denied = _authorized(cfg, request)
-        status = denied.status_code if denied else 0
-        try:
-            if denied:
-                return denied
-            req = parse_request(endpoint, await _read_json(request))
-            if req.stream:
-                body = await st.proxy.stream(req, lambda: _wait_disconnect(request))
-                status = -1  # counted by the stream itself when it ends
-                return StreamingResponse(
-                    body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-                )
-            status, raw = await st.proxy.unary(req, lambda: _wait_disconnect(request))
-            return Response(raw, status_code=status, media_type="application/json")
-        except BadRequest as e:
-            status = 400
-            return _error(400, str(e))
-        except ProxyError as e:
-            status = e.status
-            resp = _error(e.status, e.message)
-            if e.retry_after_s is not None:
-                resp.headers["Retry-After"] = str(e.retry_after_s)
-            return resp
-        except ClientGone:
-            status = 499
-            return Response(status_code=499)
-        finally:
-            if status >= 0:
-                st.metrics.requests.inc(endpoint=endpoint, status=str(status))
-                st.metrics.e2e.observe(time.monotonic() - t0)
-
-    def route(endpoint: str):
-        async def handler(request: Request) -> Response:
-            return await proxied(endpoint, request)
-
-        return handler
-
-    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
-        app.add_api_route(path, route(path), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -195,7 +136,7 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> FastAPI:
         return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
 
     _add_admin_routes(app, cfg, st)
-    return app
+    return ProxyEndpoints(app, st)
 
 
 def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
@@ -205,9 +146,18 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
             return denied
         return JSONResponse({"workers": [w.to_json() for w in st.registry.all()]})
 
+    def _single_process() -> JSONResponse | None:
+        if cfg.processes == 1:
+            return None
+        return _error(
+            409,
+            f"the router runs {cfg.processes} processes (--workers) and this change would reach one of "
+            "them: give workers with --prefill/--decode, --config or Kubernetes discovery",
+        )
+
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> Response:
-        if denied := _authorized(cfg, request):
+        if denied := _authorized(cfg, request) or _single_process():
             return denied
         try:
             body = await _read_json(request)
@@ -225,7 +175,7 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
 
     @app.delete("/admin/workers")
     async def remove_worker(request: Request, url: str = "") -> Response:
-        if denied := _authorized(cfg, request):
+        if denied := _authorized(cfg, request) or _single_process():
             return denied
         w = st.registry.remove(url) if url else None
         if w is None:

@@ -1,5 +1,7 @@
-"""The router's HTTP client to workers: one pooled httpx.AsyncClient, the internal token on every call,
-and the small calls every module needs (abort a room, fetch /server_info)."""
+"""The router's HTTP clients to workers, the internal token on every call: `hot` (router.http1, pooled
+keep-alive connections) carries proxied requests; `http` (httpx) the rest: probes, aborts,
+/server_info, /v1/models. Tests may pass an httpx client (e.g. with a MockTransport) that then
+carries everything."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import httpx
 
 from common.http import TOKEN_HEADER
+from router.http1 import Pool, TransportError
 from router.registry import Worker
 
 log = logging.getLogger("router.client")
@@ -23,18 +26,23 @@ class WorkerClient:
         connect_timeout_s: float,
         read_timeout_s: float,
         max_connections: int = 1024,
+        http: httpx.AsyncClient | None = None,
     ) -> None:
         headers = {TOKEN_HEADER: internal_token} if internal_token else {}
-        self.http = httpx.AsyncClient(
+        self.http = http or httpx.AsyncClient(
             headers=headers,
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
+        )
+        self.hot: Pool | HttpxHotPath = (
+            HttpxHotPath(http) if http is not None else Pool(headers, connect_timeout_s, read_timeout_s)
         )
         self._background: set[asyncio.Task] = set()
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=ABORT_TIMEOUT_S)
+        self.hot.close()
         await self.http.aclose()
 
     async def abort_room(self, w: Worker, room: int) -> bool:
@@ -61,3 +69,52 @@ class WorkerClient:
         if not isinstance(info, dict):
             raise ValueError(f"{w.url}/server_info is not a JSON object")
         return info
+
+
+class HttpxResponse:
+    """router.http1.Response's interface over a streamed httpx response."""
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self._resp = resp
+        self._chunks = resp.aiter_bytes()
+        self.status = resp.status_code
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+    async def next_chunk(self) -> bytes | None:
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.aread()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._resp.is_closed:
+            asyncio.ensure_future(self._resp.aclose())
+
+
+class HttpxHotPath:
+    """router.http1.Pool's interface over an httpx client: slower, but any httpx transport works."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def post(self, url: str, path: str, body: bytes) -> HttpxResponse:
+        request = self.http.build_request(
+            "POST", url + path, content=body, headers={"content-type": "application/json"}
+        )
+        return HttpxResponse(await self.http.send(request, stream=True))
+
+    def close(self) -> None:
+        pass
+
+
+# What a failed hot-path call raises (the httpx ones only through HttpxHotPath).
+TRANSPORT_ERRORS = (TransportError, httpx.HTTPError)

@@ -93,6 +93,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     k8s: K8sConfig = field(default_factory=K8sConfig)
     log_level: str = "info"
+    processes: int = 1  # router processes sharing the port (--workers); each keeps its own state
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -110,6 +111,7 @@ class RouterConfig:
         need(self.worker_wait_s >= 0, "--worker-wait must be >= 0")
         need(self.cache_prefix_chars >= 1, "cache_prefix_chars must be >= 1")
         need(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1")
+        need(self.processes >= 1, "--workers must be >= 1")
         urls = [w.url for w in self.workers]
         dup = {u for u in urls if urls.count(u) > 1}
         need(not dup, f"worker URL listed twice: {sorted(dup)}")

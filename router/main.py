@@ -1,9 +1,16 @@
-"""`pdserve router`: parse flags (and an optional YAML file) into one RouterConfig and serve the app."""
+"""`pdserve router`: parse flags (and an optional YAML file) into one RouterConfig and serve the app.
+
+With `--workers N` (N > 1) uvicorn runs N router processes on one listening socket; each rebuilds the
+config from the same flags (`app_from_env`) and keeps its own state: registry, health probes, load
+counts, metrics (docs/architecture.md, "Several router processes").
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 from common.secrets import read_secret, read_secret_lines
@@ -98,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds a request waits for an eligible worker of a role when none is, before it gets a 503 "
         f"with Retry-After (default {d.worker_wait_s:g}; 0: answer 503 at once)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"router processes sharing the port (default {d.processes}); each keeps its own worker "
+        "health, load counts and metrics, and /admin/workers cannot change workers when > 1",
+    )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return p
 
@@ -117,6 +131,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         "health_interval_s": ns.health_interval,
         "health_failures": ns.health_failures,
         "worker_wait_s": ns.worker_wait,
+        "processes": ns.workers,
     }
     kw.update({key: value for key, value in flags.items() if value is not None})
     if ns.api_key_file:
@@ -137,9 +152,26 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     return cfg
 
 
+ARGV_ENV = "PDSERVE_ROUTER_ARGV"  # the flags, for the processes of --workers N
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def app_from_env():
+    """uvicorn app factory for `--workers N`: each process builds its config from the same flags."""
+    from router.app import create_app
+
+    ns = build_parser().parse_args(json.loads(os.environ[ARGV_ENV]))
+    _logging(ns.log_level)
+    return create_app(config_from_args(ns))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(ns.log_level)
     try:
         cfg = config_from_args(ns)
     except (ValueError, OSError) as e:
@@ -149,14 +181,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from router.app import create_app
 
-    uvicorn.run(
-        create_app(cfg),
+    serve = dict(
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level.lower(),
         access_log=cfg.log_level.lower() == "debug",
         timeout_graceful_shutdown=5,
+        loop="uvloop" if sys.platform != "win32" else "asyncio",
+        http="httptools",
+        proxy_headers=False,  # the router reads no client address; X-Forwarded-* parsing costs per request
     )
+    if cfg.processes == 1:
+        uvicorn.run(create_app(cfg), **serve)
+    else:
+        os.environ[ARGV_ENV] = json.dumps(argv)
+        uvicorn.run("router.main:app_from_env", factory=True, workers=cfg.processes, **serve)
     return 0
 
 

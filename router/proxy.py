@@ -20,23 +20,24 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import orjson
 
-from router.client import WorkerClient
+from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
+from router.http1 import Response
 from router.metrics import RouterMetrics
 from router.policies import Policy
 from router.protocol import ProxyRequest, error_body, error_of, fault_of, merge_input_logprobs, sse_event
 from router.registry import Lease, Registry, Worker
-from router.sse import DONE, SSEReader, event_json
+from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
 Disconnected = Callable[[], Awaitable[None]]
+WATCH_AFTER_S = 0.05  # a client disconnect is noticed at most this much later than it happened
 
 
 class ProxyError(Exception):
@@ -83,7 +84,7 @@ class AttemptFailed(Exception):
 
 @dataclass
 class StreamStart:
-    response: httpx.Response
+    response: Response | HttpxResponse
     reader: SSEReader
     first: bytes  # the first raw SSE event (re-encoded when input logprobs were merged into it)
     lease: Lease
@@ -91,8 +92,8 @@ class StreamStart:
 
 def _result(w: Worker, status: int, content: bytes) -> SideResult:
     try:
-        body = json.loads(content) if content else None
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        body = orjson.loads(content) if content else None
+    except orjson.JSONDecodeError:  # a ValueError; UTF-8 errors included
         body = None
     err = error_of(body)
     if err is not None:
@@ -202,14 +203,23 @@ class Proxy:
         disconnected: Disconnected | None,
     ) -> None:
         """Wait until decode answered (and prefill too when its logprobs are needed); fail fast on
-        either side's failure or a client disconnect."""
-        watch = asyncio.ensure_future((disconnected or _never)())
+        either side's failure or a client disconnect. The disconnect watcher (a task) starts only
+        when the answer takes longer than WATCH_AFTER_S: most fast answers never need one."""
+        watch: asyncio.Future | None = None
         pending = {p_task, d_task}
         try:
             while d_task in pending or (req.input_logprobs and p_task in pending):
-                done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
-                if watch in done:
-                    raise ClientGone()
+                if watch is None:
+                    done, _ = await asyncio.wait(
+                        pending, timeout=WATCH_AFTER_S, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if not done:
+                        watch = asyncio.ensure_future((disconnected or _never)())
+                        continue
+                else:
+                    done, _ = await asyncio.wait(pending | {watch}, return_when=asyncio.FIRST_COMPLETED)
+                    if watch in done:
+                        raise ClientGone()
                 for t in done:
                     pending.discard(t)
                     res = t.result()
@@ -217,18 +227,20 @@ class Proxy:
                         "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res, pair
                     )
         finally:
-            watch.cancel()
+            if watch is not None:
+                watch.cancel()
 
     # ---- one attempt ----------------------------------------------------------------------------------
     async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int) -> SideResult:
         lease = self.registry.lease(w, tokens)
         try:
-            r = await self.client.http.post(f"{w.url}{endpoint}", json=body)
-        except httpx.HTTPError as e:
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
+            content = await resp.read()
+        except TRANSPORT_ERRORS as e:
             return SideResult(w, 0, None, f"{type(e).__name__}: {e}")
         finally:
             lease.release()
-        return _result(w, r.status_code, r.content)
+        return _result(w, resp.status, content)
 
     async def _attempt_unary(
         self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
@@ -248,7 +260,7 @@ class Proxy:
             res = d_task.result()
             raw = res.raw
             if req.input_logprobs and isinstance(res.body, dict):
-                raw = json.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body)).encode()
+                raw = orjson.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))
             ok = True
             return res.status, raw
         finally:
@@ -263,16 +275,16 @@ class Proxy:
         self, w: Worker, endpoint: str, body: dict, tokens: int
     ) -> tuple[SideResult, StreamStart | None]:
         lease: Lease | None = self.registry.lease(w, tokens)
-        resp: httpx.Response | None = None
+        resp: Response | HttpxResponse | None = None
         try:
-            request = self.client.http.build_request("POST", f"{w.url}{endpoint}", json=body)
-            resp = await self.client.http.send(request, stream=True)
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
             if not resp.is_success:
-                return _result(w, resp.status_code, await resp.aread()), None
-            reader = SSEReader(resp.aiter_bytes())
+                return _result(w, resp.status, await resp.read()), None
+            reader = SSEReader(resp.next_chunk)
             first = await reader.next_event()
             if first is None:
                 return SideResult(w, 502, None, "stream ended before its first event"), None
+            # decoded once: the input-logprob merge and the error check read it
             obj = event_json(first)
             err = error_of(obj)
             if err is not None:
@@ -280,11 +292,11 @@ class Proxy:
             start = StreamStart(resp, reader, first, lease)
             resp = lease = None  # owned by the StreamStart now
             return SideResult(w, 200, obj), start
-        except httpx.HTTPError as e:
+        except TRANSPORT_ERRORS as e:
             return SideResult(w, 0, None, f"{type(e).__name__}: {e}"), None
         finally:
             if resp is not None:
-                await resp.aclose()
+                resp.close()
             if lease is not None:
                 lease.release()
 
@@ -324,21 +336,30 @@ class Proxy:
     async def _relay(
         self, req: ProxyRequest, start: StreamStart, p: Worker, d: Worker, room: int, t0: float
     ) -> AsyncIterator[bytes]:
+        """Yield decode's events as they come, every event that arrived together in one chunk. Events
+        pass as bytes: only `[DONE]` and error events are recognised (sse.is_done, sse.may_be_error)."""
         outcome = "client_disconnect"
         last = time.monotonic()
         self.metrics.ttft.observe(last - t0)
+        itl = self.metrics.itl.observe
+        reader = start.reader
         try:
-            raw: bytes | None = start.first
-            while raw is not None:
-                obj = event_json(raw)
-                yield raw + b"\n\n"
-                if error_of(obj) is not None:
-                    outcome = "stream_error"
-                if obj == DONE:
+            events: list[bytes] | None = [start.first]
+            while events is not None:
+                done = False
+                for i, raw in enumerate(events):
+                    if ERROR_KEY in raw and error_of(event_json(raw)) is not None:
+                        outcome = "stream_error"
+                    if len(raw) < 24 and is_done(raw):
+                        done = True
+                        del events[i + 1 :]
+                        break
+                yield events[0] + b"\n\n" if len(events) == 1 else b"\n\n".join(events) + b"\n\n"
+                if done:
                     break
                 try:
-                    raw = await start.reader.next_event()
-                except httpx.HTTPError as e:
+                    events = await reader.next_events()
+                except TRANSPORT_ERRORS as e:
                     self.registry.record_failure(d, repr(e))
                     outcome = "stream_error"
                     yield sse_event(
@@ -347,7 +368,10 @@ class Proxy:
                     yield b"data: [DONE]\n\n"
                     return
                 now = time.monotonic()
-                self.metrics.itl.observe(now - last)
+                if events is not None:
+                    itl(now - last)
+                    for _ in range(len(events) - 1):
+                        itl(0.0)  # events that arrived in the same chunk
                 last = now
             if outcome == "client_disconnect":
                 outcome = "200"
@@ -357,7 +381,7 @@ class Proxy:
                 self._abort_both(p, d, room)
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
-            await start.response.aclose()
+            start.response.close()
 
 
 def _close_started_stream(task: asyncio.Task) -> None:
@@ -367,4 +391,4 @@ def _close_started_stream(task: asyncio.Task) -> None:
     _, start = task.result()
     if start is not None:
         start.lease.release()
-        asyncio.ensure_future(start.response.aclose())
+        start.response.close()

@@ -240,3 +240,23 @@ def test_unhealthy_worker_is_ejected_and_readmitted(cluster):
     assert 'pdserve_router_ejections_total{role="decode"' in httpx.get(url + "/metrics").text
     control(cluster["d1"], "ok")
     wait_for(lambda: eligible(cluster["d1"].url), 10, "d1 re-admitted")
+
+
+def test_several_router_processes_serve_and_refuse_admin_changes(cluster, tmp_path):
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    router = start_router(
+        ["--workers", "2", "--internal-token-file", str(tmp_path / "token")]
+        + ["--prefill", cluster["p0"].url, "--decode", cluster["d0"].url]
+    )
+    try:
+        router.wait_healthy(60)
+        body = {"text": "two processes", "sampling_params": {"max_new_tokens": 3}}
+        for _ in range(10):  # new connections: the kernel spreads them over both processes
+            r = httpx.post(router.url + "/generate", json=body, timeout=30)
+            assert r.status_code == 200 and len(r.json()["text"].split()) == 3
+        with httpx.stream("POST", router.url + "/generate", json={**body, "stream": True}, timeout=30) as r:
+            assert r.status_code == 200 and r.read().rstrip().endswith(b"data: [DONE]")
+        r = httpx.post(router.url + "/admin/workers", json={"url": cluster["p1"].url, "role": "prefill"})
+        assert r.status_code == 409 and "--workers" in r.json()["error"]["message"]
+    finally:
+        router.stop()

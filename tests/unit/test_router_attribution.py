@@ -26,8 +26,7 @@ PREFILL_LOST = {"error": {"message": "KV transfer failed: room 1: prefill 127.0.
 
 
 def _proxy(reg: Registry, handler, *, worker_wait_s: float = 0.0, retries: int = 2) -> Proxy:
-    client = WorkerClient(None, 1.0, 5.0)
-    client.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = WorkerClient(None, 1.0, 5.0, http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     policies = {r: make_policy("round_robin", 256, 4, 1.5) for r in ("prefill", "decode")}
     return Proxy(reg, client, policies, RouterMetrics(), retries, worker_wait_s=worker_wait_s, retry_after_s=2)
 
