@@ -17,6 +17,13 @@ from router_harness import wait_for
 pytestmark = pytest.mark.slow
 
 BIG = ["--max-total-tokens", "8192"]
+# The loaded pairs below run 32 concurrent prompts of up to ~1,500 tokens through one prefill thread.
+# Transfer progress (and so heartbeat answers) only runs between engine steps today, and on this
+# 2-core box a 2,048-token prefill step beside five other services can pass the default 15 s peer
+# timeout (5 s x 3), failing rooms that are healthy. These tests check outputs, not liveness (the
+# heartbeat rules have their own tests in test_transfer_faults and test_transfer_timeouts), so their
+# pairs allow 30 s x 3. Moving transfer progress off the forward path removes the coupling.
+PATIENT = ["--heartbeat-interval", "30"]
 SMALL_DECODE_TOKENS = 1536  # about a quarter of RETRACT_LOAD below (prompts + outputs)
 SHORT_TIMEOUT = 4.0
 
@@ -27,9 +34,9 @@ def svc():
     procs: dict = {}
     try:
         procs["colo"], _ = start_service("colocated", *BIG)
-        procs["pre"], boot = start_service("prefill", *BIG, "--bootstrap-timeout", "600")
-        procs["dec"], _ = start_service("decode", *BIG, "--waiting-timeout", "600")
-        procs["small"], _ = start_service("decode", "--max-total-tokens", str(SMALL_DECODE_TOKENS),
+        procs["pre"], boot = start_service("prefill", *BIG, *PATIENT, "--bootstrap-timeout", "600")
+        procs["dec"], _ = start_service("decode", *BIG, *PATIENT, "--waiting-timeout", "600")
+        procs["small"], _ = start_service("decode", *PATIENT, "--max-total-tokens", str(SMALL_DECODE_TOKENS),
                                           "--new-token-ratio", "0", "--waiting-timeout", "600")
         procs["pre_short"], boot_short = start_service(
             "prefill", *BIG, "--bootstrap-timeout", str(SHORT_TIMEOUT), "--chunked-prefill-size", "64")
