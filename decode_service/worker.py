@@ -48,7 +48,7 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv)
+        req, bad = pd_request(msg, self.kv, 1)
         if req is None:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
@@ -99,15 +99,17 @@ class DecodeRole:
             if len(self.sched.running) + len(self.transfer) >= self.cfg.max_running_requests:
                 return
             r = self.prealloc[0]
-            need = pages_for(len(r.input_ids), self.kv.page_size)
+            skip = self.kv.window_start(len(r.input_ids))  # sliding window: pages no query will read
+            need = pages_for(len(r.input_ids), self.kv.page_size) - skip
             own = reservation([r], self.cfg.new_token_ratio, self.kv.page_size)
             if not self.kv.can_admit(need, own, self._reserved_pages(), busy=bool(self.sched.running or self.transfer)):
                 return  # wait for memory
             self.prealloc.popleft()
-            r.pages = self.kv.pool.allocator.allocate(need)
+            r.pages = [0] * skip + self.kv.pool.allocator.allocate(need)  # 0 marks a page never held
+            r.dropped_pages = skip
             addr = f"{r.bootstrap_host}:{r.bootstrap_port}"
             try:
-                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages)
+                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages[skip:])
             except (TransferError, ValueError) as e:
                 code = int(e.code) if isinstance(e, TransferError) else 400
                 self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
@@ -120,7 +122,7 @@ class DecodeRole:
             if st == KVPoll.SUCCESS:
                 meta = rx.metadata or {}
                 self._drop_transfer(room, keep_pages=True)
-                self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - t0)
+                self.tstats.success((len(r.pages) - r.dropped_pages) * self.page_bytes, time.monotonic() - t0)
                 self._commit(r, meta)
             elif st == KVPoll.FAILED:
                 self.tstats.failed += 1

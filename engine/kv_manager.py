@@ -46,10 +46,28 @@ class KVManager:
         if n:
             req.pages.extend(self.pool.allocator.allocate(n))
 
-    def capacity_error(self, prompt_tokens: int) -> str | None:
-        """Why a prompt can never fit this pool (its KV plus one token), or None."""
+    def window_start(self, kv_len: int) -> int:
+        """Index of the first page a query at position kv_len (or later) can read: pages before it
+        lie wholly outside every layer's window. 0 without a sliding window."""
+        if not self.window:
+            return 0
+        return min(max(0, kv_len - self.window + 1) // self.page_size, max(0, pages_for(kv_len, self.page_size) - 1))
+
+    def peak_pages(self, prompt_tokens: int, chunk: int) -> int:
+        """Most pages a request holds at once while its prompt is computed in chunks of at most
+        `chunk` tokens and its next token decoded. With a sliding window the pages behind the window
+        are trimmed after each step, so the peak is the window plus one chunk (plus the page each end
+        straddles), not the whole prompt."""
+        whole = pages_for(prompt_tokens + 1, self.page_size)
+        if not self.window:
+            return whole
+        return min(whole, pages_for(self.window + max(1, chunk), self.page_size) + 1)
+
+    def capacity_error(self, prompt_tokens: int, chunk: int = 0) -> str | None:
+        """Why a prompt can never fit this pool (its live KV plus one token), or None. `chunk` is the
+        largest prompt chunk one step computes (0: the whole prompt at once)."""
         cap = self.pool.allocator.capacity
-        if pages_for(prompt_tokens + 1, self.page_size) > cap:
+        if self.peak_pages(prompt_tokens, chunk or prompt_tokens) > cap:
             return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
         return None
 
@@ -68,8 +86,7 @@ class KVManager:
         """Free the pages no future query of `req` can see (sliding window); returns how many."""
         if not self.window or req.host_pages:
             return 0
-        # the next query sits at position kv_len and sees kv_len-window+1..kv_len
-        keep_from = min(max(0, req.kv_len - self.window + 1) // self.page_size, len(req.pages))
+        keep_from = min(self.window_start(req.kv_len), len(req.pages))  # the next query sits at kv_len
         if keep_from <= req.dropped_pages:
             return 0
         gone = req.pages[req.dropped_pages : keep_from]

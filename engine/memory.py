@@ -23,6 +23,7 @@ class PageAllocator:
         self.reserved = reserved
         self._free: list[int] = list(range(num_pages - 1, reserved - 1, -1))  # pop() gives low ids first
         self._used: set[int] = set()
+        self.high_water = 0  # most pages ever in use at once (peak memory, including inside a step)
 
     @property
     def capacity(self) -> int:
@@ -46,6 +47,7 @@ class PageAllocator:
             raise MemoryError(f"asked for {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
         self._used.update(pages)
+        self.high_water = max(self.high_water, len(self._used))
         return pages
 
     def free(self, pages: list[int]) -> None:

@@ -31,14 +31,15 @@ def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = T
     return BatchExecutor(runner, Sampler(cfg.seed), stops)
 
 
-def validate_prompt(req: Req, context_length: int, kv: KVManager) -> str | None:
-    """The engine's own guard (the offline LLM has no frontend): empty, too long, or never fits the pool."""
+def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0) -> str | None:
+    """The engine's own guard (the offline LLM has no frontend): empty, too long, or never fits the
+    pool when computed in chunks of `chunk` tokens (0: at once)."""
     n = len(req.input_ids)
     if n == 0:
         return "the prompt is empty"
     if n >= context_length:
         return f"the prompt has {n} tokens; the context length is {context_length}"
-    return kv.capacity_error(n)
+    return kv.capacity_error(n, chunk)
 
 
 class ExtendPlanner:
@@ -98,7 +99,7 @@ class Scheduler:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        err = validate_prompt(req, self.runner.context_length, self.kv)
+        err = validate_prompt(req, self.runner.context_length, self.kv, self.cfg.chunked_prefill_size)
         if err:
             req.finish(FinishReason.ERROR, err, 400)
             self.outbox.append(req)

@@ -39,7 +39,8 @@ log = logging.getLogger("pdserve.prefill")
 class Room:
     req: Req
     sender: KVSender
-    sent_pages: int = 0
+    first_page: int = 0  # pages before it lie outside every window of the decode (sliding window)
+    sent_pages: int = 0  # pages sent so far, counted from page 0 (the skipped ones count as sent)
     t_ready: float = field(default_factory=time.monotonic)
 
 
@@ -47,7 +48,7 @@ class PrefillRole:
     """The prefill queues over an injected runner, KV manager and transfer manager."""
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
-        self.runner, self.kv, self.mgr = runner, kv, mgr
+        self.runner, self.kv, self.mgr, self.cfg = runner, kv, mgr, cfg
         self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
         self.page_bytes = runner.pool.page_bytes
@@ -60,14 +61,15 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv)
+        req, bad = pd_request(msg, self.kv, self.cfg.chunked_prefill_size)
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
             sender = self.mgr.create_sender(req.bootstrap_room)
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
-        self.bootstrap.append(Room(req, sender))
+        start = self.kv.window_start(len(req.input_ids))  # the decode reads nothing before it
+        self.bootstrap.append(Room(req, sender, start, start))
         log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.bootstrap_room,
                  len(req.input_ids))
         return []
@@ -130,6 +132,7 @@ class PrefillRole:
                 if full > room.sent_pages:
                     room.sender.send(r.pages[room.sent_pages : full], False)
                     room.sent_pages = full
+            self.kv.trim(r)  # sliding window: only pages before room.first_page go, never a sent one
         except (ValueError, TransferError) as e:  # the room failed between poll and send
             if room.sender.poll() == KVPoll.FAILED:
                 self._fail(room)
@@ -142,7 +145,7 @@ class PrefillRole:
             st = room.sender.poll()
             if st == KVPoll.SUCCESS:
                 r = room.req
-                self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - room.t_ready)
+                self.tstats.success((len(r.pages) - room.first_page) * self.page_bytes, time.monotonic() - room.t_ready)
                 if r.finish_reason is None:  # prefill's part ends with the first token
                     r.finish(FinishReason.LENGTH)
                 self._end(room, r.finish_reason, None, 0)
@@ -191,7 +194,7 @@ def run_prefill_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
-    role = PrefillRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool), mgr)
+    role = PrefillRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window), mgr)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

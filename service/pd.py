@@ -23,7 +23,8 @@ def compat_info(runner: ModelRunner) -> CompatInfo:
     mc = runner.model_cfg
     return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
                       dtype=runner.cfg.dtype, page_size=runner.page_size, kv_layout=KV_LAYOUT,
-                      num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+                      num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                      window=mc.max_window)
 
 
 def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> TransferManager:
@@ -37,10 +38,11 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
     return TransferManager(tc, runner.pool.buffer, compat_info(runner))
 
 
-def pd_request(msg: m.GenerateReq, kv: KVManager) -> tuple[Req | None, m.TokenOut | None]:
+def pd_request(msg: m.GenerateReq, kv: KVManager, chunk: int) -> tuple[Req | None, m.TokenOut | None]:
     """(the request, None), or (None, the 400 that answers it) when the prompt can never fit this
-    worker's KV pool: the one check only the worker can make (the frontend validated the rest)."""
-    err = kv.capacity_error(len(msg.input_ids))
+    worker's KV pool computed in chunks of `chunk` tokens (the decode receives it whole: 1): the one
+    check only the worker can make (the frontend validated the rest)."""
+    err = kv.capacity_error(len(msg.input_ids), chunk)
     return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg), None)
 
 

@@ -1,6 +1,7 @@
 """A tiny Llama with random weights, written as an HF model directory (config.json + safetensors):
 the engine loads it like any checkpoint, in well under a second. No tokenizer: requests carry ids
-and no stop strings."""
+and no stop strings. Config fields can be overridden (e.g. model_type="mistral", sliding_window=16:
+the same weights as a sliding-window model)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ CONFIG = {
 }
 
 
-def make_tiny_model(dst: Path, seed: int = 0) -> Path:
-    c = CONFIG
+def make_tiny_model(dst: Path, seed: int = 0, **overrides: object) -> Path:
+    c = CONFIG | overrides
     h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = h // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd

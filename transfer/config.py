@@ -61,6 +61,8 @@ class CompatInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    window: int = 0  # tokens the widest layer looks back (sliding window); 0 = full attention.
+    # The prefill sends, and the decode reserves, only the pages of the prompt's last window.
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,90 @@
+"""A prefill role and a decode role stepped in one process: real runners, real zmq control plane,
+and the fake data backend (bytes handed over in-process) or UCX. Used by the in-process PD tests and
+benchmarks/swa_pd.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from colocated_service.worker import ColocatedRole
+from decode_service.worker import DecodeRole
+from engine.config import EngineConfig
+from engine.kv_manager import KVManager
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from prefill_service.worker import PrefillRole
+from service import messages as m
+from service.config import PDConfig, ServerConfig
+from service.pd import make_transfer_manager
+
+
+def kv_manager(runner: ModelRunner) -> KVManager:
+    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+
+
+def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut]) -> None:
+    for o in outs:
+        tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+        if o.finished:
+            done[o.rid] = o
+
+
+def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, list[int]]:
+    """The colocated role's tokens for the same prompts (rids r0, r1, ...); every page freed after."""
+    runner = ModelRunner(cfg)
+    kv = kv_manager(runner)
+    role = ColocatedRole(cfg, runner, kv)
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, m.TokenOut] = {}
+    for i, ids in enumerate(prompts):
+        collect(role.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling)), tokens, done)
+    while len(done) < len(prompts):
+        collect(role.step(), tokens, done)
+    assert all(o.error is None for o in done.values()), [o.error for o in done.values()]
+    assert kv.all_free()
+    return tokens
+
+
+class PDPair:
+    """One prefill and one decode role with their own runners and KV managers."""
+
+    def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None) -> None:
+        pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=0.5)
+        dcfg = decode_cfg or cfg
+        p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
+        self.p_kv, self.d_kv = kv_manager(p_runner), kv_manager(d_runner)
+        self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
+        self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
+        self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
+        self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr)
+
+    def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 30.0,
+            on_step: Callable[[PDPair], None] | None = None,
+            ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
+        """Serve every prompt (rids r0, r1, ...): (decode tokens by rid, decode's last TokenOut by
+        rid, prefill's last TokenOut by rid). `on_step` runs after each pair of steps."""
+        p_done: dict[str, m.TokenOut] = {}
+        tokens: dict[str, list[int]] = {}
+        d_done: dict[str, m.TokenOut] = {}
+        for i, ids in enumerate(prompts):
+            boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.p_mgr.bootstrap_port,
+                    "bootstrap_room": 100 + i}
+            collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)), {}, p_done)
+            collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)),
+                    tokens, d_done)
+        deadline = time.monotonic() + timeout_s
+        while len(d_done) < len(prompts) or len(p_done) < len(prompts):
+            assert time.monotonic() < deadline, f"stuck: prefill {self.prefill.stats()['queues']}, " \
+                                                f"decode {self.decode.stats()}"
+            collect(self.prefill.step(), {}, p_done)
+            collect(self.decode.step(), tokens, d_done)
+            if on_step is not None:
+                on_step(self)
+            if not (self.prefill.has_work() or self.decode.has_work()):
+                self.p_mgr.idle_wait(0.002)
+        return tokens, d_done, p_done
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
