@@ -82,7 +82,10 @@ class DecodeRole:
         self.mgr.progress()
         self._poll_transfers()
         self._admit()
-        done = self.sched.step() if self.sched.has_work() else []
+        done: list[Req] = []
+        if self.sched.has_work():
+            with self.mgr.background():  # receives, acks and heartbeats move during the forward
+                done = self.sched.step()
         out = self.outbox + self.sched.outbox + done
         self.outbox, self.sched.outbox = [], []
         self.mgr.progress()

@@ -137,6 +137,8 @@ class EngineConfig:
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
+    schedule_policy: str = "fcfs"  # order of waiting prompts (prefill): fcfs | sjf (engine.scheduler.POLICIES)
+    schedule_aging_s: float = 5.0  # sjf: a prompt waiting this long goes ahead of shorter ones
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -158,6 +160,9 @@ class EngineConfig:
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
         need(0.0 <= self.new_token_ratio <= 1.0, "--new-token-ratio must be in [0, 1]")
+        need(self.schedule_policy in ("fcfs", "sjf"),
+             f"--schedule-policy must be fcfs or sjf, got {self.schedule_policy!r}")
+        need(self.schedule_aging_s > 0, "--schedule-aging must be > 0 seconds")
 
     @property
     def num_pages(self) -> int:

@@ -42,6 +42,28 @@ def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0
     return kv.capacity_error(n, chunk)
 
 
+def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float) -> list[Req]:
+    """The order in which waiting prompts are planned.
+
+    fcfs: arrival order. sjf (shortest uncomputed prompt first): prompts already started come
+    first, in arrival order (their next chunk continues, so pages are not held idle); then every
+    prompt that has waited `aging_s` or longer, oldest first (the aging bound: a long prompt waits
+    at most about aging_s plus the work already ahead of it); then the rest, fewest prompt tokens
+    still to compute first, ties by arrival."""
+    reqs = list(reqs)
+    if policy == "fcfs":
+        return reqs
+
+    def key(r: Req) -> tuple:
+        if r.kv_len > 0:
+            return (0, r.created, 0)
+        if now - r.created >= aging_s:
+            return (1, r.created, 0)
+        return (2, len(r.input_ids) - r.kv_len, r.created)
+
+    return sorted(reqs, key=key)
+
+
 class ExtendPlanner:
     """Picks one step's prompt chunks, FIFO: at most chunked_prefill_size tokens per request and
     max_prefill_tokens per batch; a partial chunk ends the batch, and so does the first request that

@@ -2,9 +2,11 @@
 
 Queues of one request (a room):
   bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies)
-  waiting    the decode is ready; prompt chunks run in extend batches under the token budget, and
-             after each chunk the pages it completed are sent; the last chunk sends the remaining
-             pages plus metadata (first token, its logprob, room)
+  waiting    the decode is ready; prompt chunks run in extend batches under the token budget, in
+             the --schedule-policy order (sjf: shortest prompt first, aging bound), and after each
+             chunk the pages it completed are sent (they move on the transfer progress thread while
+             the next chunk computes); the last chunk sends the remaining pages plus metadata
+             (first token, its logprob, room). Sliding-window models send only the last window.
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
   done       pages freed, the request reported finished with its first token (and input logprobs)
 
@@ -15,6 +17,7 @@ reports the transfer error's code and message.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ from engine.config import EngineConfig
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
-from engine.scheduler import ExtendPlanner, make_executor
+from engine.scheduler import ExtendPlanner, make_executor, order_waiting
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -42,13 +45,16 @@ class Room:
     first_page: int = 0  # pages before it lie outside every window of the decode (sliding window)
     sent_pages: int = 0  # pages sent so far, counted from page 0 (the skipped ones count as sent)
     t_ready: float = field(default_factory=time.monotonic)
+    t_last_sent: float = 0.0  # when the last chunk (with the metadata) was queued for sending
 
 
 class PrefillRole:
     """The prefill queues over an injected runner, KV manager and transfer manager."""
 
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
+                 slow_first_forward_s: float = 0.0) -> None:
         self.runner, self.kv, self.mgr, self.cfg = runner, kv, mgr, cfg
+        self.slow_first_forward_s = slow_first_forward_s  # test hook: the first forward takes this long
         self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
         self.page_bytes = runner.pool.page_bytes
@@ -90,10 +96,16 @@ class PrefillRole:
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
         self._poll_rooms()
-        items = self.planner.plan([room.req for room in self.waiting])
+        order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
+                              self.cfg.schedule_aging_s, time.monotonic())
+        items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
         if items:
-            self.exec.run(items, [])
+            with self.mgr.background():  # transfers, acks and heartbeats move during the forward
+                self.exec.run(items, [])
+                if self.slow_first_forward_s:
+                    time.sleep(self.slow_first_forward_s)
+                    self.slow_first_forward_s = 0.0
             rooms = {id(room.req): room for room in self.waiting}
             for it in items:
                 self._after_chunk(rooms[id(it.req)], it)
@@ -125,6 +137,7 @@ class PrefillRole:
                     meta["first_logprob"] = r.output_logprobs[0]
                 room.sender.send(r.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.pages)
+                room.t_last_sent = time.monotonic()
                 self.waiting.remove(room)
                 self.inflight.append(room)
             else:
@@ -145,7 +158,9 @@ class PrefillRole:
             st = room.sender.poll()
             if st == KVPoll.SUCCESS:
                 r = room.req
-                self.tstats.success((len(r.pages) - room.first_page) * self.page_bytes, time.monotonic() - room.t_ready)
+                now = time.monotonic()
+                self.tstats.success((len(r.pages) - room.first_page) * self.page_bytes, now - room.t_ready,
+                                    now - room.t_last_sent)
                 if r.finish_reason is None:  # prefill's part ends with the first token
                     r.finish(FinishReason.LENGTH)
                 self._end(room, r.finish_reason, None, 0)
@@ -194,7 +209,9 @@ def run_prefill_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
-    role = PrefillRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window), mgr)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+    slow = float(os.environ.get("PDSERVE_TEST_SLOW_FIRST_FORWARD_S", "0"))  # tests only
+    role = PrefillRole(cfg.engine, runner, kv, mgr, slow_first_forward_s=slow)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

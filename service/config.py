@@ -31,6 +31,7 @@ class PDConfig:
     waiting_timeout_s: float = 120.0
     heartbeat_interval_s: float = 5.0
     cluster_token: str | None = None
+    progress_thread: bool = True  # transfers progress on a thread while a forward runs
 
     def __post_init__(self) -> None:
         if not 0 <= self.bootstrap_port < 65536:
@@ -93,6 +94,13 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
+    if role == "prefill":
+        g.add_argument("--schedule-policy", default="sjf", choices=("fcfs", "sjf"),
+                       help="order of waiting prompts: sjf (default) computes the shortest prompt first, so short "
+                            "prompts do not queue behind long ones; fcfs keeps arrival order")
+        g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s,
+                       help="sjf: a prompt that has waited this many seconds goes ahead of shorter ones (bounds "
+                            "how long a long prompt can be passed over)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
                         "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
@@ -119,6 +127,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="seconds a decode waits for a room's KV to arrive")
         t.add_argument("--heartbeat-interval", type=float, default=dp.heartbeat_interval_s,
                        help="seconds between transfer heartbeats; 3 missed fail the peer's rooms")
+        t.add_argument("--transfer-progress-thread", action=argparse.BooleanOptionalAction,
+                       default=dp.progress_thread,
+                       help="move KV bytes, acks and heartbeats on a thread while a forward runs (default on; "
+                            "off: they move only between engine steps, so a long forward delays transfers "
+                            "and can miss heartbeats)")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 
@@ -135,6 +148,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
     device = resolve_device(ns.device)
     dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     d_tokens = EngineConfig.max_total_tokens
+    d_policy, d_aging = EngineConfig.schedule_policy, EngineConfig.schedule_aging_s
     eng = EngineConfig(
         model=ns.model, device=device, dtype=dtype, page_size=ns.page_size,
         max_total_tokens=ns.max_total_tokens or (CPU_DEFAULT_TOKENS if device == "cpu" else d_tokens),
@@ -143,6 +157,8 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         max_running_requests=ns.max_running_requests, context_length=ns.context_length,
         attention_backend=ns.attention_backend, new_token_ratio=ns.new_token_ratio,
         seed=ns.seed, threads=ns.threads,
+        schedule_policy=getattr(ns, "schedule_policy", d_policy),
+        schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
     )
     pd = PDConfig()
     if role in ("prefill", "decode"):
@@ -151,7 +167,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
             bootstrap_port=getattr(ns, "bootstrap_port", pd.bootstrap_port), advertise_host=adv,
             transfer_backend=ns.transfer_backend, bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout, heartbeat_interval_s=ns.heartbeat_interval,
-            cluster_token=read_secret(ns.cluster_token_file),
+            cluster_token=read_secret(ns.cluster_token_file), progress_thread=ns.transfer_progress_thread,
         )
     return ServerConfig(
         role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,

@@ -33,7 +33,7 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
         role=role, advertise_host=pd.advertise_host or "127.0.0.1", bootstrap_port=pd.bootstrap_port,
         backend=pd.transfer_backend, bootstrap_timeout_s=pd.bootstrap_timeout_s,
         waiting_timeout_s=pd.waiting_timeout_s, heartbeat_interval_s=pd.heartbeat_interval_s,
-        cluster_token=pd.cluster_token,
+        cluster_token=pd.cluster_token, progress_thread=pd.progress_thread,
     )
     return TransferManager(tc, runner.pool.buffer, compat_info(runner))
 
@@ -64,15 +64,19 @@ class TransferStats:
         self.failed = 0
         self.seconds = Histogram("transfer_seconds", "room ready to transfer done", buckets=TRANSFER_BUCKETS,
                                  registry=None)  # shipped to the frontend in StatsOut.info, not exposed here
+        self.tail = Histogram("transfer_tail_seconds", "prefill: last chunk sent to the decode's SUCCESS",
+                              buckets=TRANSFER_BUCKETS, registry=None)
 
-    def success(self, nbytes: int, seconds: float) -> None:
+    def success(self, nbytes: int, seconds: float, tail_s: float | None = None) -> None:
         self.bytes += nbytes
         self.succeeded += 1
         self.seconds.observe(seconds)
+        if tail_s is not None:
+            self.tail.observe(tail_s)
 
     def info(self) -> dict:
         return {
             "transfer_bytes_total": self.bytes,
             "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},
-            "histograms": {"transfer_seconds": snapshot(self.seconds)},
+            "histograms": {"transfer_seconds": snapshot(self.seconds), "transfer_tail_seconds": snapshot(self.tail)},
         }

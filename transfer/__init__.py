@@ -6,6 +6,7 @@ API (one TransferManager per worker process; the worker loop calls progress() ev
     s = mgr.create_sender(room); s.poll(); s.send(pages, is_last, metadata); s.abort(r); s.release()
     mgr = TransferManager(TransferConfig(role="decode"), kv_pool, compat)
     r = mgr.create_receiver(room, "host:port", dst_pages); r.poll(); r.metadata; r.release()
+    with mgr.background(): run_forward()   # the progress thread moves bytes/acks/heartbeats meanwhile
 
 State per room, ordered so min() over ranks/rooms is the consensus:
 FAILED=0 < BOOTSTRAPPING=1 < WAITING_FOR_INPUT=2 < TRANSFERRING=3 < SUCCESS=4.

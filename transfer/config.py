@@ -28,6 +28,7 @@ class TransferConfig:
     waiting_timeout_s: float = 120.0  # decode: receiver fails if KV not complete by then
     heartbeat_interval_s: float = 5.0  # 3 missed -> all rooms with that peer FAILED
     cluster_token: str | None = None  # when set, control messages without it are refused
+    progress_thread: bool = True  # progress zmq, UCX and heartbeats on a thread while a forward runs
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

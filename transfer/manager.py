@@ -4,13 +4,26 @@ The worker loop calls progress() every iteration (never blocks) and idle_wait() 
 nothing else to do (sleeps on the zmq sockets and the UCX worker's fd, at most until the next
 timer). Rooms are created with create_sender (prefill) / create_receiver (decode), polled by the
 scheduler, and released after their terminal state was consumed; active_rooms() counts them.
+
+Progress during a forward: the worker runs each forward inside `with mgr.background():`. For that
+long, and only then, a progress thread owns the transfer state (one lock: the worker thread holds
+it at every other moment) and keeps calling progress() and idle_wait(): chunk pages move while the
+next chunk computes, acks arrive, heartbeats go out and come in. Leaving the block wakes the thread
+(a pipe in its poll set) and takes the lock back, so the worker never shares a room, socket or UCX
+call with the thread: the rooms' state machine keeps its single-threaded guarantees (FAILED frees
+at once; bytes land only in pages a live room owns). TransferConfig.progress_thread=False (the
+`--no-transfer-progress-thread` flag) keeps the old behaviour: nothing moves during a forward.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import zmq
@@ -45,6 +58,17 @@ class TransferManager:
             raise
         self._next_timers = 0.0
         self._closed = False
+        self._lock = threading.Lock()  # who may touch the transfer state: the worker, or the thread
+        self._lock.acquire()  # ... the worker, except inside background()
+        self._bg_on = threading.Event()  # set while the worker is inside background()
+        self._bg_stop = False
+        self._bg_passes = 0  # progress passes the thread made (tests and stats)
+        self._bg: threading.Thread | None = None
+        if config.progress_thread:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            self._bg = threading.Thread(target=self._bg_loop, name="kv-transfer-progress", daemon=True)
+            self._bg.start()
 
     @property
     def page_bytes(self) -> int:
@@ -93,6 +117,46 @@ class TransferManager:
             poller.register(fd, zmq.POLLIN)
         poller.poll(timeout_s * 1000.0)
 
+    @contextmanager
+    def background(self) -> Iterator[None]:
+        """Hand the transfer state to the progress thread while the body (a forward) runs; the body
+        must not call this manager or its rooms. Without a progress thread it does nothing."""
+        if self._bg is None:
+            yield
+            return
+        self._bg_on.set()
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._bg_on.clear()
+            os.write(self._wake_w, b"x")  # cut the thread's idle wait short
+            self._lock.acquire()
+
+    def _bg_loop(self) -> None:
+        while True:
+            self._bg_on.wait()
+            with self._lock:
+                if self._bg_stop:
+                    return
+                if not self._bg_on.is_set():
+                    continue  # the worker is taking the state back
+                try:
+                    self.progress()
+                    self._bg_passes += 1
+                    self.idle_wait(0.05, extra=(self._wake_r,))
+                except Exception:  # never let the thread die silently; the worker's own calls surface it
+                    log.exception("transfer progress thread")
+                    time.sleep(0.01)
+                self._drain_wakeups()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 64):
+                pass
+        except BlockingIOError:
+            pass
+
     def active_rooms(self) -> int:
         """Rooms created and not yet released (0 once every room ended and was released)."""
         side = self._side
@@ -102,12 +166,21 @@ class TransferManager:
         """Counters for tests and /metrics: rooms, queued/in-flight messages, staging, peers."""
         out = self._side.stats()
         out["backend_sinks"] = getattr(self._backend, "pending_sinks", 0)
+        out["background_passes"] = self._bg_passes
         return out
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._bg is not None:
+            self._bg_stop = True
+            self._bg_on.set()
+            self._lock.release()
+            self._bg.join(5.0)
+            self._lock.acquire()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self._side.close()
         self._backend.close()
         self._zctx.term()

@@ -15,15 +15,16 @@ from router_harness import Proc, free_port, wait_for
 COMMON = ["--device", "cpu", "--threads", "1", "--host-kv-tokens", "16384", "--log-level", "warning"]
 
 
-def start_service(role: str, *extra: str) -> tuple[Proc, int | None]:
-    """Start `pdserve <role>`; returns (process, bootstrap port for a prefill else None)."""
+def start_service(role: str, *extra: str, env: dict | None = None) -> tuple[Proc, int | None]:
+    """Start `pdserve <role>` (with `env` added to its environment); returns (process, bootstrap port
+    for a prefill else None)."""
     port = free_port()
     args = [sys.executable, "-m", "pdserve", role, "--port", str(port), *COMMON, *extra]
     boot = None
     if role == "prefill" and "--bootstrap-port" not in extra:
         boot = free_port()
         args += ["--bootstrap-port", str(boot)]
-    return Proc(f"{role}-{port}", args, f"http://127.0.0.1:{port}"), boot
+    return Proc(f"{role}-{port}", args, f"http://127.0.0.1:{port}", env=env), boot
 
 
 @dataclass

@@ -24,11 +24,12 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.05):  # noqa: 
 class Proc(Child):
     """A child process (common.procs.Child) with its output in a temp file, removed on stop."""
 
-    def __init__(self, name: str, args: list[str], url: str, headers: dict | None = None) -> None:
+    def __init__(self, name: str, args: list[str], url: str, headers: dict | None = None,
+                 env: dict | None = None) -> None:
         self.args, self.headers = args, headers or {}
         log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
         log.close()
-        super().__init__(name, args, log.name, url=url, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+        super().__init__(name, args, log.name, url=url, env={"PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT)
 
     def wait_healthy(self, timeout: float = 30.0, path: str = "/health") -> None:
         wait_until(lambda: self.healthy(self.headers, path), timeout, f"{self.name} {path}")
