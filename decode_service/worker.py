@@ -5,6 +5,9 @@ Queues of one request:
              cover the prompt plus the reservation (new_token_ratio of max_new_tokens) of every
              request already admitted; retracted requests are reloaded before anything new
   transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout)
+  local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
+             prefilled here instead, in chunks of at most --local-prefill-budget tokens per step
+             beside the running decodes; its prefill is told to end the room without computing
   running    the prefill's first token is committed; one token per decode step; when pages run out
              the newest running requests are retracted to the host pool and later reloaded
              (engine.scheduler.Scheduler does the running part, as in colocated mode)
@@ -14,6 +17,7 @@ Finish, abort or failure frees every page and host copy the request holds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -37,9 +41,16 @@ log = logging.getLogger("pdserve.decode")
 class DecodeRole:
     """The decode queues over an injected runner, KV manager and transfer manager."""
 
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
+                 local_threshold: int = 0, local_budget: int = 128) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
-        self.sched = Scheduler(runner, cfg, kv)
+        # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
+        # at most local_budget prompt tokens per step beside the running decodes
+        self.local_threshold = local_threshold
+        budget = dataclasses.replace(cfg, max_prefill_tokens=local_budget,
+                                     chunked_prefill_size=min(cfg.chunked_prefill_size, local_budget))
+        self.sched = Scheduler(runner, budget, kv)
+        self.prefills = {"local": 0, "remote": 0}
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
@@ -53,8 +64,25 @@ class DecodeRole:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
             return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
+        if len(req.input_ids) <= self.local_threshold:
+            self._prefill_here(req)
+            return []
+        self.prefills["remote"] += 1
         self.prealloc.append(req)
         return []
+
+    def _prefill_here(self, req: Req) -> None:
+        """Conditional disaggregation: a short prompt costs less to compute here than its PD round
+        trip. Its prefill is told to end the room without computing (TransferInfo.local_prefill);
+        the scheduler prefills it in chunks under the local budget, beside the running decodes."""
+        try:
+            self.mgr.decline_room(req.bootstrap_room, f"{req.bootstrap_host}:{req.bootstrap_port}")
+        except ValueError as e:  # a bad bootstrap address: the prefill never hears of this room either
+            log.warning("rid=%s: %s", req.rid, e)
+        self.prefills["local"] += 1
+        log.info("rid=%s room=%d: %d prompt tokens <= %d, prefilled on this decode", req.rid, req.bootstrap_room,
+                 len(req.input_ids), self.local_threshold)
+        self.sched.add(req)
 
     def abort(self, msg: m.AbortReq) -> None:
         def hit(r: Req) -> bool:
@@ -97,9 +125,9 @@ class DecodeRole:
 
     def _admit(self) -> None:
         while self.prealloc:
-            if self.sched.waiting:  # retracted requests come back first
+            if any(r.is_retracted for r in self.sched.waiting):  # retracted requests come back first
                 return
-            if len(self.sched.running) + len(self.transfer) >= self.cfg.max_running_requests:
+            if len(self.sched.running) + len(self.sched.waiting) + len(self.transfer) >= self.cfg.max_running_requests:
                 return
             r = self.prealloc[0]
             skip = self.kv.window_start(len(r.input_ids))  # sliding window: pages no query will read
@@ -161,6 +189,7 @@ class DecodeRole:
     def stats(self) -> dict:
         s = self.sched.stats()
         s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
+        s["counters"].update({f"prefills_{k}": v for k, v in self.prefills.items()})
         return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
 
     def close(self) -> None:
@@ -173,6 +202,8 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     setup_logging(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
-    role = DecodeRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window), mgr)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+    role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
+                      local_budget=cfg.pd.local_prefill_budget)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

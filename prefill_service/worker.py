@@ -10,6 +10,9 @@ Queues of one request (a room):
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
   done       pages freed, the request reported finished with its first token (and input logprobs)
 
+A room the decode chose to prefill itself (conditional disaggregation: its TransferInfo says
+local_prefill) ends in the bootstrap queue, finished with no tokens and no error, never computed.
+
 A room that fails anywhere (timeout, abort, peer lost, incompatible KV) frees its pages at once and
 reports the transfer error's code and message.
 """
@@ -64,6 +67,7 @@ class PrefillRole:
         self.outbox: list[m.TokenOut] = []
         self.tstats = TransferStats()
         self.blocked = False  # the head of `waiting` needs pages that only a finished room frees
+        self.declined = 0  # rooms the decode prefilled itself
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
@@ -119,6 +123,10 @@ class PrefillRole:
             st = room.sender.poll()
             if st == KVPoll.FAILED:
                 self._fail(room)
+            elif room.sender.declined:  # the decode prefilled it itself (conditional disaggregation)
+                self.declined += 1
+                log.info("rid=%s room=%d: prefilled on the decode", room.req.rid, room.req.bootstrap_room)
+                self._end(room, FinishReason.LENGTH, None, 0)
             elif st >= KVPoll.WAITING_FOR_INPUT:
                 self.bootstrap.remove(room)
                 room.t_ready = time.monotonic()
@@ -194,7 +202,7 @@ class PrefillRole:
             "kv_used_tokens": self.kv.pool.used_tokens,
             "kv_total_tokens": self.kv.pool.total_tokens,
             "active_rooms": self.mgr.active_rooms(),
-            "counters": {"forward_tokens": self.exec.forward_tokens},
+            "counters": {"forward_tokens": self.exec.forward_tokens, "rooms_prefilled_on_decode": self.declined},
             "transfer": self.mgr.stats(),
             **self.tstats.info(),
         }

@@ -32,6 +32,8 @@ class PDConfig:
     heartbeat_interval_s: float = 5.0
     cluster_token: str | None = None
     progress_thread: bool = True  # transfers progress on a thread while a forward runs
+    local_prefill_threshold: int = 0  # decode: prompts of at most this many tokens are prefilled there
+    local_prefill_budget: int = 128  # decode: prompt tokens its local prefills may add to one step
 
     def __post_init__(self) -> None:
         if not 0 <= self.bootstrap_port < 65536:
@@ -40,6 +42,10 @@ class PDConfig:
             raise ValueError("--transfer-backend must be ucx or fake")
         if self.bootstrap_timeout_s <= 0 or self.waiting_timeout_s <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("--local-prefill-threshold must be >= 0 (0: always disaggregate)")
+        if self.local_prefill_budget < 1:
+            raise ValueError("--local-prefill-budget must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,14 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="move KV bytes, acks and heartbeats on a thread while a forward runs (default on; "
                             "off: they move only between engine steps, so a long forward delays transfers "
                             "and can miss heartbeats)")
+        if role == "decode":
+            t.add_argument("--local-prefill-threshold", type=int, default=dp.local_prefill_threshold,
+                           help="conditional disaggregation: a prompt of at most this many tokens is prefilled on "
+                                "this decode instead of its prefill (which is told to skip it); its PD round trip "
+                                "would cost more than the compute. 0 (default): always disaggregate")
+            t.add_argument("--local-prefill-budget", type=int, default=dp.local_prefill_budget,
+                           help="prompt tokens the local prefills may add to one decode step, so running streams' "
+                                "inter-token latency stays bounded")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 
@@ -168,6 +182,8 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
             transfer_backend=ns.transfer_backend, bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout, heartbeat_interval_s=ns.heartbeat_interval,
             cluster_token=read_secret(ns.cluster_token_file), progress_thread=ns.transfer_progress_thread,
+            local_prefill_threshold=getattr(ns, "local_prefill_threshold", pd.local_prefill_threshold),
+            local_prefill_budget=getattr(ns, "local_prefill_budget", pd.local_prefill_budget),
         )
     return ServerConfig(
         role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,

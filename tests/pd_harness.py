@@ -49,7 +49,8 @@ def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: Samp
 class PDPair:
     """One prefill and one decode role with their own runners and KV managers."""
 
-    def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
+                 local_threshold: int = 0) -> None:
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=0.5)
         dcfg = decode_cfg or cfg
         p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
@@ -57,7 +58,7 @@ class PDPair:
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
-        self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr)
+        self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold)
 
     def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 30.0,
             on_step: Callable[[PDPair], None] | None = None,

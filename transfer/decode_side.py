@@ -106,6 +106,12 @@ class DecodeSide:
                                self.compat.digest(), self.compat.to_dict()))
         return recv
 
+    def decline(self, room: int, bootstrap_addr: str) -> None:
+        """Tell the room's prefill that this decode computes the prompt itself (nothing to send)."""
+        peer = self._peer(bootstrap_addr, _parse_addr(bootstrap_addr))
+        peer.send(TransferInfo(room, self.engine_id, b"", [], 0, self.compat.digest(), self.compat.to_dict(),
+                               local_prefill=True))
+
     def _alloc_slot(self) -> int:
         used = {r.slot for r in self.receivers.values()} | set(self.dead_slots)
         while True:

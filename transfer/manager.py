@@ -91,6 +91,12 @@ class TransferManager:
             raise ValueError("create_receiver needs role='decode'")
         return self._side.create_receiver(room, bootstrap_addr, dst_pages)
 
+    def decline_room(self, room: int, bootstrap_addr: str) -> None:
+        """Decode: this worker prefills `room` itself; its prefill ends the room without computing."""
+        if not isinstance(self._side, DecodeSide):
+            raise ValueError("decline_room needs role='decode'")
+        self._side.decline(room, bootstrap_addr)
+
     def progress(self) -> None:
         """Drive zmq, UCX and timers once; never blocks."""
         self._backend.progress()

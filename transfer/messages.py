@@ -19,7 +19,7 @@ from typing import Any
 
 from common.codec import Codec
 
-VERSION = 1
+VERSION = 2  # 2: TransferInfo.local_prefill
 
 
 @dataclass
@@ -48,6 +48,8 @@ class TransferInfo:
 
     metadata_slot: decode-local slot id of this room; UCX tags of its data are (slot << 32) | seq.
     compat_hash / compat: CompatInfo digest and fields (the fields name a mismatch).
+    local_prefill: the decode computes this prompt itself (conditional disaggregation): nothing is
+    sent; the prefill ends the room without computing it (dst_pages empty, metadata_slot 0).
     """
 
     room: int
@@ -58,6 +60,7 @@ class TransferInfo:
     compat_hash: str
     compat: dict[str, Any]
     token: str | None = None
+    local_prefill: bool = False
     version: int = VERSION
 
 

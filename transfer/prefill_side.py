@@ -71,7 +71,10 @@ class PrefillSide:
             sender.fail(err.code, err.message.removeprefix(f"room {room}: "))
         elif room in self.early:
             info, identity, _ = self.early.pop(room)
-            sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
+            if info.local_prefill:
+                sender.decline()
+            else:
+                sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
         return sender
 
     def sockets(self) -> list[zmq.Socket]:
@@ -114,6 +117,13 @@ class PrefillSide:
 
     def _on_transfer_info(self, identity: bytes, info: TransferInfo) -> None:
         room = info.room
+        if info.local_prefill:  # the decode computes this prompt itself
+            sender = self.senders.get(room)
+            if sender is None:
+                self.early[room] = (info, identity, time.monotonic())
+            elif sender.peer_identity is None:
+                sender.decline()
+            return
         problem = self._check_info(info)
         if problem is not None:
             code, message = problem

@@ -97,6 +97,14 @@ class KVSender(_Room):
         self._acked = False
         self._queue: list[_Chunk] = []
         self._inflight: list[Handle] = []
+        self.declined = False  # the decode prefills this prompt itself; SUCCESS with nothing sent
+
+    def decline(self) -> None:
+        """The decode computes the prompt itself: BOOTSTRAPPING -> SUCCESS, nothing to send."""
+        if self.state == KVPoll.BOOTSTRAPPING:
+            self.declined = True
+            self.state = KVPoll.SUCCESS
+            self._free()
 
     def accept(self, identity: bytes, ucx_address: bytes, dst_pages: list[int], slot: int) -> None:
         """TransferInfo arrived: BOOTSTRAPPING -> WAITING_FOR_INPUT."""

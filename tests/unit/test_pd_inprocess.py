@@ -33,3 +33,26 @@ def test_pd_roles_in_process_match_colocated(engine_cfg: EngineConfig) -> None:
         assert pair.decode.stats()["transfer_rooms"] == {"succeeded": len(PROMPTS), "failed": 0}
     finally:
         pair.close()
+
+
+def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> None:
+    """Conditional disaggregation: prompts of at most the threshold are computed on the decode (the
+    prefill ends their rooms without a forward, cleanly), longer ones go through PD; the tokens equal
+    the colocated role's either way."""
+    want = colocated_tokens(engine_cfg, PROMPTS, SAMPLING)
+    threshold = 10  # PROMPTS[0] (7 tokens) and PROMPTS[2] (3) stay local; PROMPTS[1] (39) goes PD
+    pair = PDPair(engine_cfg, local_threshold=threshold)
+    try:
+        d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING)
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert d_tokens == want
+        assert all(not p_done[f"r{i}"].new_token_ids for i in (0, 2))  # the prefill sampled nothing
+        counters = pair.decode.stats()["counters"]
+        assert (counters["prefills_local"], counters["prefills_remote"]) == (2, 1)
+        assert pair.prefill.stats()["counters"]["rooms_prefilled_on_decode"] == 2
+        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1])
+        assert pair.decode.stats()["transfer_rooms"] == {"succeeded": 1, "failed": 0}
+        assert pair.p_kv.all_free() and pair.d_kv.all_free()
+        assert pair.p_mgr.active_rooms() == 0 and pair.d_mgr.active_rooms() == 0
+    finally:
+        pair.close()

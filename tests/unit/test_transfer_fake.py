@@ -176,3 +176,22 @@ def test_send_validation(pair):
         d.create_receiver(10, addr, [1, 1])
     with pytest.raises(ValueError, match="host:port"):
         d.create_receiver(11, "nohost", [1])
+
+
+@pytest.mark.parametrize("decline_first", [False, True])
+def test_declined_room_ends_on_the_prefill_without_data(pair, decline_first):
+    """Conditional disaggregation: the decode prefills the room itself and says so; the prefill's
+    sender reaches SUCCESS with `declined`, whether the notice came before or after create_sender."""
+    p, d, addr = pair
+    if decline_first:
+        d.decline_room(11, addr)
+        pump([p, d], lambda: p.stats()["early_infos"] == 1)
+    s = p.create_sender(11)
+    if not decline_first:
+        d.decline_room(11, addr)
+    pump([p, d], lambda: s.poll() == KVPoll.SUCCESS)
+    assert s.declined and s.pending() == 0
+    with pytest.raises(ValueError):
+        s.send([1], is_last=True, metadata={})
+    s.release()
+    assert p.active_rooms() == 0 and d.active_rooms() == 0
