@@ -11,6 +11,8 @@ receives KV. Reported: p50/p99 ITL of the decode stream, p50/p99 TTFT of both st
 
 Modes (local processes, UCX over TCP on 127.0.0.1, equal CPU threads in total):
   pd         prefill (--threads T) + decode (--threads T) + router
+  pd-local   pd, and the decode prefills prompts of at most --local-prefill-threshold tokens itself
+             (conditional disaggregation)
   colocated  one service (--threads 2T)
 Writes OUT/pd_vs_colocated.json, OUT/table.md, OUT/latency_cdf.png, OUT/itl_over_time.png, logs.
 """
@@ -34,7 +36,7 @@ from loadtest.runner import ArrivalConfig, run
 from loadtest.services import LocalServices
 from loadtest.workload import SyntheticConfig, load_tokenizer, synthetic
 
-MODES = ("pd", "colocated")
+MODES = ("pd", "pd-local", "colocated")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ExperimentConfig:
     modes: tuple[str, ...] = MODES
     ready_timeout_s: float = 300.0
     extra_service_args: tuple[str, ...] = ()
+    local_prefill_threshold: int = 256  # pd-local: the decode's --local-prefill-threshold
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:
@@ -80,7 +83,8 @@ def start_mode(svc: LocalServices, mode: str, cfg: ExperimentConfig, model_dir: 
     pre, dec, boot, rtr = free_port(), free_port(), free_port(), free_port()
     svc.spawn("prefill", py + ["prefill", *common, "--port", str(pre), "--bootstrap-port", str(boot),
                                "--threads", t])
-    svc.spawn("decode", py + ["decode", *common, "--port", str(dec), "--threads", t])
+    local = ["--local-prefill-threshold", str(cfg.local_prefill_threshold)] if mode == "pd-local" else []
+    svc.spawn("decode", py + ["decode", *common, "--port", str(dec), "--threads", t, *local])
     workers = [f"http://127.0.0.1:{pre}/health", f"http://127.0.0.1:{dec}/health"]
     svc.wait_healthy(workers, cfg.ready_timeout_s)
     svc.spawn("router", py + ["router", "--host", "127.0.0.1", "--port", str(rtr),
@@ -163,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-output-len", type=int, default=d.long_output_len, help="long-prompt output tokens")
     p.add_argument("--threads", type=int, default=d.threads_per_worker,
                    help="torch threads per PD worker (colocated gets twice this; default: this machine's CPUs // 2)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: pd,colocated")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
+    p.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
+                   help="pd-local: prompts of at most this many tokens are prefilled on the decode")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     args = p.parse_args(argv)
     try:
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                decode_output_len=args.decode_output_len, long_rate=args.long_rate,
                                long_input_len=args.long_input_len, long_output_len=args.long_output_len,
                                threads_per_worker=args.threads, seed=args.seed,
+                               local_prefill_threshold=args.local_prefill_threshold,
                                modes=tuple(m for m in args.modes.split(",") if m))
     except ValueError as e:
         print(f"pd_vs_colocated: {e}", file=sys.stderr)
