@@ -7,7 +7,7 @@ moment its last chunk is queued for sending to the decode's SUCCESS: the KV stil
 last forward. Without the thread, bytes move only between engine steps, so most of the prompt's KV
 is still queued then; with it, earlier chunks' pages moved while later chunks computed.
 Also reported: the time to the first token of each request (prefill + transfer + commit). Both
-modes run with 60 s heartbeats: without the thread, a 4k-token prefill on a busy 2-core box can
+modes run with 60 s heartbeats and 900 s room timeouts: without the thread, a 4k-token prefill on a busy 2-core box can
 outlast the default 3 x 5 s and fail the room (the failure the thread removes).
 
     python benchmarks/transfer_tail.py --out /tmp/transfer_tail.json
@@ -43,6 +43,7 @@ def prompt(tokens: int, seed: int) -> str:
 def run_mode(name: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> dict:
     common = ["--host", "127.0.0.1", "--device", "cpu", "--threads", str(args.threads), "--log-level", "warning",
               "--max-total-tokens", str(2 * args.prompt_tokens + 1024), "--heartbeat-interval", "60",
+              "--waiting-timeout", "900", "--bootstrap-timeout", "900",
               "--chunked-prefill-size", str(args.chunk_tokens), "--max-prefill-tokens", str(args.chunk_tokens), *flags]
     pre, dec, boot = free_port(), free_port(), free_port()
     py = [sys.executable, "-m", "pdserve"]
