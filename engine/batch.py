@@ -85,7 +85,7 @@ class BatchExecutor:
         reqs = [r for r, _ in items]
         logits = torch.stack([lg for _, lg in items])  # [B, V] fp32
         want_lp = any(r.return_logprob for r in reqs)
-        tokens, lps = self.sampler.sample(logits, [r.rid for r in reqs], [r.sampling for r in reqs], want_lp)
+        tokens, lps = self.sampler.sample(logits, reqs, want_lp)
         for i, r in enumerate(reqs):
             r.output_ids.append(tokens[i])
             if r.return_logprob:

@@ -1,54 +1,114 @@
-"""Token sampling from fp32 logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Token sampling from fp32 logits: logit processors (penalties, min_new_tokens, logit_bias), then
+greedy, temperature, top-k, top-p, min-p.
+
+Seeded sampling is keyed by position: the draw for a request's k-th output token uses a generator
+seeded from (seed, k) alone. The same request therefore gets the same text whoever samples which
+token: colocated, or the first token on a prefill and the rest on a decode, alone or in any batch,
+and after a migration to another worker. Without a seed, the key is (the engine's default seed,
+the request id), hashed stably.
+
+Logprobs are those of the model's own distribution (log_softmax of the raw logits), before any
+processor or temperature.
+"""
 
 from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys apart
+_MASK = (1 << 63) - 1
+
+
+class Sampled(Protocol):
+    """What the sampler reads of a request."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    sampling: SamplingParams
+
+
+def draw_seed(sp: SamplingParams, rid: str, default_seed: int, position: int) -> int:
+    """The generator seed of one draw: a function of (seed, position) only."""
+    base = sp.seed if sp.seed is not None else (default_seed << 32) ^ zlib.crc32(rid.encode())
+    return ((base * _MIX) ^ (position + 1) * 0xBF58476D1CE4E5B9) & _MASK
+
+
+def process_logits(row: torch.Tensor, r: Sampled, eos_ids: Sequence[int]) -> torch.Tensor:
+    """Apply the request's logit processors to one row of logits (fp32 [V]); returns a new row.
+    In order: repetition penalty over prompt and output tokens (a positive logit is divided by it,
+    a negative one multiplied, as in CTRL and transformers), frequency and presence penalties over
+    output tokens (OpenAI: logit -= frequency * count + presence * (count > 0)), logit_bias, and
+    while fewer than min_new_tokens were generated, EOS and stop_token_ids banned."""
+    sp = r.sampling
+    row = row.clone()
+    if sp.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+    if (sp.frequency_penalty or sp.presence_penalty) and r.output_ids:
+        counts = Counter(r.output_ids)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        n = torch.tensor(list(counts.values()), dtype=row.dtype)
+        row[ids] -= sp.frequency_penalty * n + sp.presence_penalty
+    for tok, bias in sp.logit_bias:
+        row[tok] += bias
+    if len(r.output_ids) < sp.min_new_tokens:
+        banned = [t for t in (*eos_ids, *sp.stop_token_ids) if 0 <= t < row.shape[0]]
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    return row
+
 
 class Sampler:
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, eos_ids: Sequence[int] = ()) -> None:
         self.default_seed = default_seed
-        self._gens: dict[str, torch.Generator] = {}
+        self.eos_ids = tuple(eos_ids)
 
-    def forget(self, rid: str) -> None:
-        self._gens.pop(rid, None)
-
-    def _gen(self, rid: str, sp: SamplingParams) -> torch.Generator:
-        g = self._gens.get(rid)
-        if g is None:
-            g = torch.Generator()
-            seed = sp.seed if sp.seed is not None else hash((self.default_seed, rid)) & (2**63 - 1)
-            g.manual_seed(seed)
-            self._gens[rid] = g
-        return g
-
-    def sample(self, logits: torch.Tensor, rids: list[str], params: list[SamplingParams],
-               want_logprobs: bool) -> tuple[list[int], list[float]]:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Sampled], want_logprobs: bool,
+               ) -> tuple[list[int], list[float]]:
         """logits: fp32 [B, V] -> (token ids [B], logprobs of the chosen tokens [B] or [])."""
-        greedy = torch.argmax(logits, dim=-1)
-        tokens = greedy.tolist()
-        for i, sp in enumerate(params):
-            if sp.greedy:
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        for i, r in enumerate(reqs):
+            sp = r.sampling
+            if sp.has_processors:
+                row = process_logits(logits[i].float().cpu(), r, self.eos_ids)
+            elif sp.greedy:
                 continue
-            row = logits[i].float().cpu() / sp.temperature
-            probs = torch.softmax(row, dim=-1)
-            if sp.top_k > 0 and sp.top_k < probs.shape[-1]:
-                kth = torch.topk(probs, sp.top_k).values[-1]
-                probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-            if sp.top_p < 1.0:
-                sorted_p, idx = torch.sort(probs, descending=True)
-                cum = torch.cumsum(sorted_p, dim=-1)
-                drop = (cum - sorted_p) > sp.top_p * cum[-1]
-                sorted_p[drop] = 0.0
-                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-            if sp.min_p > 0.0:
-                probs = torch.where(probs >= sp.min_p * probs.max(), probs, torch.zeros_like(probs))
-            tokens[i] = int(torch.multinomial(probs / probs.sum(), 1, generator=self._gen(rids[i], sp)))
+            else:
+                row = logits[i].float().cpu()
+            if sp.greedy:
+                tokens[i] = int(torch.argmax(row))
+                continue
+            tokens[i] = self._draw(row, r)
         logprobs: list[float] = []
         if want_logprobs:
             lp = torch.log_softmax(logits.float(), dim=-1)
             idx = torch.tensor(tokens, device=logits.device).unsqueeze(1)
             logprobs = lp.gather(1, idx).squeeze(1).tolist()
         return tokens, logprobs
+
+    def _draw(self, row: torch.Tensor, r: Sampled) -> int:
+        sp = r.sampling
+        probs = torch.softmax(row / sp.temperature, dim=-1)
+        if sp.top_k > 0 and sp.top_k < probs.shape[-1]:
+            kth = torch.topk(probs, sp.top_k).values[-1]
+            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = (cum - sorted_p) > sp.top_p * cum[-1]
+            sorted_p[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        if sp.min_p > 0.0:
+            probs = torch.where(probs >= sp.min_p * probs.max(), probs, torch.zeros_like(probs))
+        g = torch.Generator()
+        g.manual_seed(draw_seed(sp, r.rid, self.default_seed, len(r.output_ids)))
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=g))

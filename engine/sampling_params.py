@@ -20,6 +20,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency_penalty * (times generated)
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence_penalty once a token was generated
+    repetition_penalty: float = 1.0  # CTRL/transformers, over prompt and output tokens; 1 = off
+    min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -48,6 +53,24 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos must be a boolean")
         need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63),
              f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            need(is_num(v) and -2.0 <= v <= 2.0, f"{name} must be a number in [-2, 2], got {v!r}")
+        need(is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+             f"got {self.min_new_tokens!r}")
+        need(isinstance(self.logit_bias, tuple) and len(self.logit_bias) <= 1024
+             and all(isinstance(p, tuple) and len(p) == 2 and is_int(p[0]) and p[0] >= 0 and is_num(p[1])
+                     and -100.0 <= p[1] <= 100.0 for p in self.logit_bias),
+             "logit_bias must map at most 1024 token ids (>= 0) to biases in [-100, 100]")
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logit processor applies (penalties, min_new_tokens, logit_bias)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -77,10 +100,37 @@ class SamplingParams:
             d["stop_token_ids"] = tuple(ids)
         else:
             raise ValueError("stop_token_ids must be a list of integers")
+        d["logit_bias"] = parse_logit_bias(d.get("logit_bias"))
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(p) for p in self.logit_bias]
         return d
+
+
+def parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map (keys are strings in JSON), or [[id, bias], ...] (to_dict's
+    form), as sorted (id, bias) pairs; ValueError naming the bad entry."""
+    if raw is None:
+        return ()
+    items = raw.items() if isinstance(raw, dict) else raw
+    if not isinstance(raw, dict | list | tuple):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    out = {}
+    for item in items:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise ValueError(f"logit_bias entry {item!r} must be [token_id, bias]")
+        key, bias = item
+        try:
+            tok = int(key) if not isinstance(key, bool) else None
+        except (TypeError, ValueError):
+            tok = None
+        if tok is None or isinstance(key, float):
+            raise ValueError(f"logit_bias key {key!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise ValueError(f"logit_bias value for token {key!r} must be a number, got {bias!r}")
+        out[tok] = float(bias)
+    return tuple(sorted(out.items()))

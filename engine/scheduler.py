@@ -28,7 +28,7 @@ def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = T
     """The batch executor of a role; stop strings are checked with the model's tokenizer (TailDecoder)."""
     tail = TailDecoder(runner.model_path) if stop_strings else None
     stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, tail)
-    return BatchExecutor(runner, Sampler(cfg.seed), stops)
+    return BatchExecutor(runner, Sampler(cfg.seed, runner.model_cfg.eos_token_ids), stops)
 
 
 def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0) -> str | None:
@@ -174,7 +174,6 @@ class Scheduler:
             self.running.remove(r)
         if r in self.waiting:
             self.waiting.remove(r)
-        self.exec.sampler.forget(r.rid)
         self.outbox.append(r)
 
     def _reload_retracted(self) -> None:

@@ -191,7 +191,6 @@ class PrefillRole:
         r.finish(reason, error, code, fault)
         self.kv.release(r)
         room.sender.release()
-        self.exec.sampler.forget(r.rid)
         self.blocked = False
         self.outbox.append(token_out(r))
 

@@ -29,9 +29,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
 MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
-NEUTRAL = {"n": 1, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
-           "no_stop_trim": False, "spaces_between_special_tokens": True, "echo": False,
-           "suffix": None, "logit_bias": None, "tools": None}
+NEUTRAL = {"n": 1, "best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True, "echo": False,
+           "suffix": None, "tools": None}
 
 
 class RequestError(Exception):
@@ -96,7 +95,7 @@ def _opt(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> 
 def _check_neutral(body: dict[str, Any], where: str) -> None:
     for key, neutral in NEUTRAL.items():
         v = body.get(key)
-        if v is None or v == neutral or (key in ("logit_bias", "tools") and v in ({}, [])):
+        if v is None or v == neutral or (key == "tools" and v == []):
             continue
         raise RequestError(f"{where}'{key}'={v!r} is not supported by this server")
 
@@ -151,8 +150,12 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
         sp = SamplingParams.from_dict(raw)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from e
+    outside = [t for t, _ in sp.logit_bias if t >= limits.vocab_size]
+    if outside:
+        raise RequestError(f"logit_bias names token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
     room = ctx - prompt_len
-    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room))
+    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room),
+                               min_new_tokens=min(sp.min_new_tokens, room))
 
 
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
@@ -195,11 +198,14 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
 
 
 _OPENAI_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids",
-                    "skip_special_tokens")
+                    "skip_special_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                    "logit_bias")
 
 
 def _openai_sampling_raw(body: dict[str, Any], max_key_order: tuple[str, ...]) -> dict[str, Any]:
     raw: dict[str, Any] = {k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None}
+    if body.get("min_tokens") is not None:  # vLLM's and SGLang's OpenAI extension
+        raw["min_new_tokens"] = body["min_tokens"]
     for key in max_key_order:
         if body.get(key) is not None:
             raw["max_new_tokens"] = body[key]

@@ -37,6 +37,7 @@ from transfer.rooms import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 _TIMER_PERIOD_S = 0.05
+_BG_MIN_PASS_S = 0.002  # the progress thread runs at most ~500 busy passes a second
 
 
 class TransferManager:
@@ -147,6 +148,7 @@ class TransferManager:
                     return
                 if not self._bg_on.is_set():
                     continue  # the worker is taking the state back
+                t0 = time.monotonic()
                 try:
                     self.progress()
                     self._bg_passes += 1
@@ -155,6 +157,12 @@ class TransferManager:
                     log.exception("transfer progress thread")
                     time.sleep(0.01)
                 self._drain_wakeups()
+                busy = time.monotonic() - t0 < _BG_MIN_PASS_S
+            if busy:
+                # The pass did not sleep on a socket (UCX had work, or a timer was due). Pause with the
+                # GIL released: a thread that keeps the GIL busy convoys the forward, whose torch ops
+                # release and retake the GIL many times per step.
+                time.sleep(_BG_MIN_PASS_S)
 
     def _drain_wakeups(self) -> None:
         try:

@@ -157,7 +157,14 @@ def test_completion_mapping() -> None:
     ({"prompt": "a", "logprobs": 9}, "logprobs"),
     ({"prompt": "a", "stream": 1}, "boolean"),
     ({"prompt": "a", "model": 3}, "model"),
-    ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "a", "frequency_penalty": 3}, "frequency_penalty"),
+    ({"prompt": "a", "presence_penalty": "x"}, "presence_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "logit_bias": {"1000": 5}}, "token id 1000 outside the vocabulary"),
+    ({"prompt": "a", "logit_bias": {"abc": 5}}, "not a token id"),
+    ({"prompt": "a", "logit_bias": {"3": 500}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [1, 2]}, "logit_bias"),
+    ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_new_tokens"),
 ])
 def test_completion_rejects(body: dict, match: str) -> None:
     bad(parse_completion, body, match=match)
@@ -206,3 +213,15 @@ def test_abort_parsing() -> None:
 def test_error_body_shape() -> None:
     assert error_body("m", 400) == {"error": {"message": "m", "type": "invalid_request_error", "code": 400}}
     assert error_body("m", 503)["error"]["type"] == "server_error"
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
+    p = parse_completion({"prompt": "a", "max_tokens": 8, "frequency_penalty": 0.5, "presence_penalty": -0.25,
+                          "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 4},
+                         TOK, COLO)
+    sp = p.req.sampling
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert sp.logit_bias == ((3, 2.5), (7, -100.0)) and sp.min_new_tokens == 4 and sp.has_processors
+    g = parse_generate({"text": "a", "sampling_params": {"min_new_tokens": 2, "repetition_penalty": 1.1,
+                                                         "logit_bias": {"5": 1}}}, TOK, COLO)
+    assert g.req.sampling.min_new_tokens == 2 and g.req.sampling.logit_bias == ((5, 1.0),)
