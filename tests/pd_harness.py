@@ -60,7 +60,7 @@ class PDPair:
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
         self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold)
 
-    def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 30.0,
+    def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 120.0,
             on_step: Callable[[PDPair], None] | None = None,
             ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
         """Serve every prompt (rids r0, r1, ...): (decode tokens by rid, decode's last TokenOut by
