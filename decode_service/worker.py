@@ -28,7 +28,8 @@ from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
-from service.worker import error_out, run_loop, setup_logging, token_out
+from service.tracing import scheduler_hook
+from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVReceiver, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.decode")
@@ -39,7 +40,7 @@ class DecodeRole:
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
-        self.sched = Scheduler(runner, cfg, kv)
+        self.sched = Scheduler(runner, cfg, kv, on_event=scheduler_hook())
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
@@ -48,12 +49,14 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv)
+        req, bad = pd_request(msg, self.kv, "decode")
         if req is None:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
             return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
         self.prealloc.append(req)
+        if req.trace is not None:
+            req.trace.begin("admission", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
         return []
 
     def abort(self, msg: m.AbortReq) -> None:
@@ -113,6 +116,9 @@ class DecodeRole:
                 self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
                 continue
             self.transfer[r.bootstrap_room] = (r, rx, time.monotonic())
+            if r.trace is not None:
+                r.trace.end("admission", pages=need)
+                r.trace.begin("kv_transfer", room=r.bootstrap_room, pages=need)
 
     def _poll_transfers(self) -> None:
         for room, (r, rx, t0) in list(self.transfer.items()):
@@ -121,6 +127,8 @@ class DecodeRole:
                 meta = rx.metadata or {}
                 self._drop_transfer(room, keep_pages=True)
                 self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - t0)
+                if r.trace is not None:
+                    r.trace.end("kv_transfer", bytes=len(r.pages) * self.page_bytes)
                 self._commit(r, meta)
             elif st == KVPoll.FAILED:
                 self.tstats.failed += 1
@@ -156,6 +164,9 @@ class DecodeRole:
     def stats(self) -> dict:
         s = self.sched.stats()
         s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
+        # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests)
+        s["kv_usage"] = round(self.kv.pool.used_tokens / max(1, self.kv.pool.total_tokens), 4)
+        s["running_requests"] = len(self.sched.running)
         return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
 
     def close(self) -> None:
@@ -165,7 +176,7 @@ class DecodeRole:
 
 
 def run_decode_worker(cfg: ServerConfig) -> None:
-    setup_logging(cfg)
+    setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
     role = DecodeRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window), mgr)

@@ -29,7 +29,7 @@ from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
-from service.worker import error_out, run_loop, setup_logging, token_out
+from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVSender, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.prefill")
@@ -60,7 +60,7 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv)
+        req, bad = pd_request(msg, self.kv, "prefill")
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
@@ -68,6 +68,8 @@ class PrefillRole:
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
         self.bootstrap.append(Room(req, sender))
+        if req.trace is not None:
+            req.trace.begin("bootstrap_queue", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
         log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.bootstrap_room,
                  len(req.input_ids))
         return []
@@ -91,7 +93,9 @@ class PrefillRole:
         items = self.planner.plan([room.req for room in self.waiting])
         self.blocked = bool(self.waiting) and not items
         if items:
+            t0 = time.time_ns()
             self.exec.run(items, [])
+            _trace_chunks(items, t0, time.time_ns())
             rooms = {id(room.req): room for room in self.waiting}
             for it in items:
                 self._after_chunk(rooms[id(it.req)], it)
@@ -109,12 +113,17 @@ class PrefillRole:
                 self.bootstrap.remove(room)
                 room.t_ready = time.monotonic()
                 self.waiting.append(room)
+                if room.req.trace is not None:
+                    room.req.trace.end("bootstrap_queue")
+                    room.req.trace.begin("waiting_queue")
         for room in list(self.waiting):
             if room.sender.poll() == KVPoll.FAILED:
                 self._fail(room)
 
     def _after_chunk(self, room: Room, it: ExtendItem) -> None:
         r = room.req
+        if r.trace is not None:
+            r.trace.ensure("kv_transfer", room=r.bootstrap_room, page_bytes=self.page_bytes)
         try:
             if it.completes_prompt:
                 meta = {"room": r.bootstrap_room, "first_token": r.output_ids[0], "cached_tokens": r.cached_tokens,
@@ -143,6 +152,8 @@ class PrefillRole:
             if st == KVPoll.SUCCESS:
                 r = room.req
                 self.tstats.success(len(r.pages) * self.page_bytes, time.monotonic() - room.t_ready)
+                if r.trace is not None:
+                    r.trace.end("kv_transfer", pages=len(r.pages), bytes=len(r.pages) * self.page_bytes)
                 if r.finish_reason is None:  # prefill's part ends with the first token
                     r.finish(FinishReason.LENGTH)
                 self._end(room, r.finish_reason, None, 0)
@@ -173,6 +184,9 @@ class PrefillRole:
     def stats(self) -> dict:
         return {
             "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
+            # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens)
+            "queued_prompt_tokens": sum(len(room.req.input_ids) - room.req.kv_len
+                                        for room in (*self.bootstrap, *self.waiting)),
             "kv_used_tokens": self.kv.pool.used_tokens,
             "kv_total_tokens": self.kv.pool.total_tokens,
             "active_rooms": self.mgr.active_rooms(),
@@ -187,8 +201,18 @@ class PrefillRole:
         self.mgr.close()
 
 
+def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:
+    """One `prefill.chunk` span per traced request of the extend batch that ran from t0 to t1 (ns)."""
+    for it in items:
+        t = it.req.trace
+        if t is not None:
+            t.end("waiting_queue")
+            t.span("chunk", t0, t1, tokens=it.num_tokens, start=it.req.kv_len - it.num_tokens,
+                   last=it.completes_prompt, batch_requests=len(items))
+
+
 def run_prefill_worker(cfg: ServerConfig) -> None:
-    setup_logging(cfg)
+    setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
     role = PrefillRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool), mgr)

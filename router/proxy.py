@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from common import tracing
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
@@ -132,7 +133,7 @@ class Proxy:
     async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
         """Run a non-streaming request: decode's (status, JSON bytes). Raises ProxyError/ClientGone."""
         return await self._with_retries(
-            req, lambda p, d, room: self._attempt_unary(req, p, d, room, disconnected)
+            req, lambda p, d, room, tp: self._attempt_unary(req, p, d, room, tp, disconnected)
         )
 
     async def stream(
@@ -141,12 +142,14 @@ class Proxy:
         """Start a streaming request; returns the SSE byte iterator once decode's first event arrived."""
         t0 = time.monotonic()
         start, p, d, room = await self._with_retries(
-            req, lambda p, d, room: self._attempt_stream(req, p, d, room, disconnected)
+            req, lambda p, d, room, tp: self._attempt_stream(req, p, d, room, tp, disconnected)
         )
         return self._relay(req, start, p, d, room, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
-    async def _pick(self, role: str, prefix: str, tried: set[str]) -> Worker:
+    async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None) -> Worker:
+        if span is not None:
+            return await self._traced_pick(role, prefix, tried, span)
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
             raise ProxyError(
@@ -157,21 +160,44 @@ class Proxy:
         fresh = [w for w in eligible if w.url not in tried]
         return self.policies[role].pick(fresh or eligible, prefix)
 
+    async def _traced_pick(self, role: str, prefix: str, tried: set[str], parent: Any) -> Worker:
+        """_pick inside a `router.pick` span (the wait for an eligible worker included)."""
+        span = tracing.start("router.pick", parent, {"role": role, "avoid": len(tried)})
+        try:
+            w = await self._pick(role, prefix, tried)
+            span.set_attributes({"worker": w.url, "eligible": len(self.registry.eligible(role))})
+            return w
+        except ProxyError as e:
+            tracing.fail(span, e.message)
+            raise
+        finally:
+            span.end()
+
     async def _with_retries(self, req: ProxyRequest, attempt):
         tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         last: AttemptFailed | None = None
         for n in range(self.max_retries + 1):
             if n:
                 self.metrics.retries.inc()
-            p = await self._pick("prefill", req.prefix, tried["prefill"])
-            d = await self._pick("decode", req.prefix, tried["decode"])
+            span = None if req.trace is None else tracing.start("router.attempt", req.trace, {"attempt": n})
             try:
-                return await attempt(p, d, secrets.randbits(63))
+                p = await self._pick("prefill", req.prefix, tried["prefill"], span)
+                d = await self._pick("decode", req.prefix, tried["decode"], span)
+                room = secrets.randbits(63)
+                if span is not None:
+                    span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})
+                return await attempt(p, d, room, tracing.traceparent(span))
             except AttemptFailed as e:
+                tracing.fail(span, str(e))
                 if not e.result.worker_fault:
                     raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
+                if span is not None:
+                    span.set_attributes({"blamed": e.side, "blamed_worker": e.worker.url})
                 tried[e.side].add(e.worker.url)
                 last = e
+            finally:
+                if span is not None:
+                    span.end()
         assert last is not None
         status = 504 if "Timeout" in last.result.message else 502
         raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
@@ -231,10 +257,10 @@ class Proxy:
                 watch.cancel()
 
     # ---- one attempt ----------------------------------------------------------------------------------
-    async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int) -> SideResult:
+    async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str) -> SideResult:
         lease = self.registry.lease(w, tokens)
         try:
-            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body), tp)
             content = await resp.read()
         except TRANSPORT_ERRORS as e:
             return SideResult(w, 0, None, f"{type(e).__name__}: {e}")
@@ -243,15 +269,15 @@ class Proxy:
         return _result(w, resp.status, content)
 
     async def _attempt_unary(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[int, bytes]:
         host, port = p.bootstrap_host, p.bootstrap_port
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._post_json(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
@@ -272,12 +298,12 @@ class Proxy:
                 self._abort_both(p, d, room)
 
     async def _open_stream(
-        self, w: Worker, endpoint: str, body: dict, tokens: int
+        self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str
     ) -> tuple[SideResult, StreamStart | None]:
         lease: Lease | None = self.registry.lease(w, tokens)
         resp: Response | HttpxResponse | None = None
         try:
-            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body), tp)
             if not resp.is_success:
                 return _result(w, resp.status, await resp.read()), None
             reader = SSEReader(resp.next_chunk)
@@ -301,15 +327,15 @@ class Proxy:
                 lease.release()
 
     async def _attempt_stream(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[StreamStart, Worker, Worker, int]:
         host, port = p.bootstrap_host, p.bootstrap_port
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._open_stream(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
@@ -341,6 +367,8 @@ class Proxy:
         outcome = "client_disconnect"
         last = time.monotonic()
         self.metrics.ttft.observe(last - t0)
+        span = None if req.trace is None else tracing.start("router.stream", req.trace, {"decode": d.url})
+        n_events = 0
         itl = self.metrics.itl.observe
         reader = start.reader
         try:
@@ -354,6 +382,7 @@ class Proxy:
                         done = True
                         del events[i + 1 :]
                         break
+                n_events += len(events)
                 yield events[0] + b"\n\n" if len(events) == 1 else b"\n\n".join(events) + b"\n\n"
                 if done:
                     break
@@ -382,6 +411,17 @@ class Proxy:
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
             start.response.close()
+            if span is not None:
+                _end_stream_spans(span, req.trace, outcome, n_events)
+
+
+def _end_stream_spans(span: Any, request_span: Any, outcome: str, n_events: int) -> None:
+    """End `router.stream` and the request's span, which a stream ends itself (router.asgi does not)."""
+    for s in (span, request_span):
+        s.set_attributes({"outcome": outcome, "events": n_events})
+        if outcome != "200":
+            tracing.fail(s, outcome)
+        s.end()
 
 
 def _close_started_stream(task: asyncio.Task) -> None:

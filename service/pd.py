@@ -37,11 +37,11 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
     return TransferManager(tc, runner.pool.buffer, compat_info(runner))
 
 
-def pd_request(msg: m.GenerateReq, kv: KVManager) -> tuple[Req | None, m.TokenOut | None]:
+def pd_request(msg: m.GenerateReq, kv: KVManager, role: str) -> tuple[Req | None, m.TokenOut | None]:
     """(the request, None), or (None, the 400 that answers it) when the prompt can never fit this
     worker's KV pool: the one check only the worker can make (the frontend validated the rest)."""
     err = kv.capacity_error(len(msg.input_ids))
-    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg), None)
+    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg, role), None)
 
 
 def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]:

@@ -87,3 +87,72 @@ def test_pd_roles_in_process_match_colocated(engine_cfg: EngineConfig) -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def _traced_provider():  # noqa: ANN202
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: EngineConfig) -> None:
+    """Traced requests get worker spans under the frontend's traceparent; the autoscaling signals
+    (prefill queued prompt tokens, decode KV usage and running requests) follow the queues. The decode's
+    pool is too small for every output (new_token_ratio 0), so running requests are retracted."""
+    import dataclasses
+
+    from common import tracing
+
+    provider, exporter = _traced_provider()
+    tracing.use_provider(provider)
+    small = dataclasses.replace(engine_cfg, max_total_tokens=64, new_token_ratio=0.0)
+    fake = PDConfig(bootstrap_port=0, transfer_backend="fake", heartbeat_interval_s=0.5)
+    p_runner, p_kv = _parts(engine_cfg, "prefill")
+    d_runner, d_kv = _parts(small, "decode")
+    p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=engine_cfg, pd=fake), p_runner, "prefill")
+    d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=small, pd=fake), d_runner, "decode")
+    prefill = PrefillRole(engine_cfg, p_runner, p_kv, p_mgr)
+    decode = DecodeRole(small, d_runner, d_kv, d_mgr)
+    root = tracing.start("test.root")
+    tp = tracing.traceparent(root)
+    done: dict[str, m.TokenOut] = {}
+    try:
+        for i, ids in enumerate(PROMPTS):
+            boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p_mgr.bootstrap_port, "bootstrap_room": 200 + i}
+            prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
+            decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
+        assert prefill.stats()["queued_prompt_tokens"] == sum(map(len, PROMPTS))
+        deadline = time.monotonic() + 30
+        while len(done) < len(PROMPTS):
+            assert time.monotonic() < deadline, f"stuck: decode {decode.stats()}"
+            prefill.step()
+            _collect(decode.step(), {}, done)
+            if not (prefill.has_work() or decode.has_work()):
+                p_mgr.idle_wait(0.002)
+        assert all(o.error is None for o in done.values())
+        assert prefill.stats()["queued_prompt_tokens"] == 0
+        s = decode.stats()
+        assert s["kv_usage"] == 0 and s["running_requests"] == 0 and s["counters"]["retractions"] > 0
+    finally:
+        prefill.close()
+        decode.close()
+        root.end()
+        tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    names = [sp.name for sp in spans]
+    for name in ("prefill.bootstrap_queue", "prefill.waiting_queue", "prefill.chunk", "prefill.kv_transfer",
+                 "decode.admission", "decode.kv_transfer", "decode.running", "decode.retracted"):
+        assert name in names, f"no {name} span in {sorted(set(names))}"
+    trace_id = root.get_span_context().trace_id
+    assert {sp.context.trace_id for sp in spans} == {trace_id}
+    assert all(sp.parent.span_id == root.get_span_context().span_id for sp in spans if sp.name != "test.root")
+    chunks = [sp for sp in spans if sp.name == "prefill.chunk"]
+    assert sum(sp.attributes["tokens"] for sp in chunks) == sum(map(len, PROMPTS))
+    xfer = [sp for sp in spans if sp.name == "prefill.kv_transfer"]
+    assert sum(sp.attributes["pages"] for sp in xfer) == sum(-(-len(p) // 4) for p in PROMPTS)
+    assert all(sp.attributes["bytes"] == sp.attributes["pages"] * sp.attributes["page_bytes"] for sp in xfer)
