@@ -156,3 +156,30 @@ def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: Engine
     xfer = [sp for sp in spans if sp.name == "prefill.kv_transfer"]
     assert sum(sp.attributes["pages"] for sp in xfer) == sum(-(-len(p) // 4) for p in PROMPTS)
     assert all(sp.attributes["bytes"] == sp.attributes["pages"] * sp.attributes["page_bytes"] for sp in xfer)
+
+
+def test_colocated_role_traces_queue_running_and_retraction(engine_cfg: EngineConfig) -> None:
+    import dataclasses
+
+    from common import tracing
+
+    provider, exporter = _traced_provider()
+    tracing.use_provider(provider)
+    small = dataclasses.replace(engine_cfg, max_total_tokens=64, new_token_ratio=0.0)
+    runner, kv = _parts(small, "colocated")
+    role = ColocatedRole(small, runner, kv)
+    root = tracing.start("test.root")
+    done: dict[str, m.TokenOut] = {}
+    try:
+        for i, ids in enumerate(PROMPTS):
+            role.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING,
+                                   traceparent=tracing.traceparent(root)))
+        while len(done) < len(PROMPTS):
+            _collect(role.step(), {}, done)
+    finally:
+        root.end()
+        tracing.shutdown()
+    assert all(o.error is None for o in done.values())
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("colocated.queue") == names.count("colocated.running") == len(PROMPTS)
+    assert "colocated.retracted" in names and kv.retractions > 0

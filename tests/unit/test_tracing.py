@@ -108,3 +108,61 @@ def test_json_log_lines_carry_request_fields() -> None:
     assert out["msg"] == "finished rid=r1" and out["level"] == "info" and out["process"] == "decode"
     assert out["trace_id"] == "ab" * 16 and out["status"] == 200 and out["ttft"] is None
     assert out["ts"].endswith("+00:00") and "args" not in out
+
+
+async def test_router_retry_is_a_second_attempt_span_and_each_post_carries_its_attempt() -> None:
+    """Proxy over in-process httpx workers: d0 fails the first attempt, the retry goes to d1."""
+    import dataclasses
+
+    import httpx
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router.client import WorkerClient
+    from router.config import WorkerSpec
+    from router.metrics import RouterMetrics
+    from router.policies import make_policy
+    from router.protocol import parse_request
+    from router.proxy import Proxy
+    from router.registry import Registry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_provider(provider)
+    reg = Registry(3)
+    for w in (reg.add(WorkerSpec("http://p0:1", "prefill", bootstrap_port=9000)),
+              reg.add(WorkerSpec("http://d0:1", "decode")), reg.add(WorkerSpec("http://d1:1", "decode"))):
+        reg.record_success(w)
+    posts: list[tuple[str, str]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/abort_request":
+            return httpx.Response(200, json={})
+        posts.append((request.url.host, request.headers.get("traceparent", "")))
+        if request.url.host == "d0":
+            return httpx.Response(500, json={"error": {"message": "boom", "code": 500}})
+        return httpx.Response(200, json={"text": " ok", "meta_info": {}})
+
+    client = WorkerClient(None, 1.0, 5.0, http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    policies = {r: make_policy("round_robin", 256, 4, 1.5) for r in ("prefill", "decode")}
+    proxy = Proxy(reg, client, policies, RouterMetrics(), 2)
+    root = tracing.start("router.request")
+    try:
+        req = dataclasses.replace(parse_request("/generate", {"text": "hi"}), trace=root)
+        status, _ = await proxy.unary(req)
+        root.end()
+    finally:
+        await client.close()
+        tracing.shutdown()
+    assert status == 200
+    spans = exporter.get_finished_spans()
+    attempts = sorted((s for s in spans if s.name == "router.attempt"), key=lambda s: s.attributes["attempt"])
+    assert [a.attributes["decode"] for a in attempts] == ["http://d0:1", "http://d1:1"]
+    assert attempts[0].attributes["blamed"] == "decode" and not attempts[0].status.is_ok
+    assert attempts[1].status.is_ok and all(a.parent.span_id == root.get_span_context().span_id for a in attempts)
+    assert len([s for s in spans if s.name == "router.pick"]) == 4
+    by_attempt = {f"{a.get_span_context().span_id:016x}": a.attributes["attempt"] for a in attempts}
+    assert sorted((host, by_attempt[tp.split("-")[2]]) for host, tp in posts) == [
+        ("d0", 0), ("d1", 1), ("p0", 0), ("p0", 1)]
