@@ -1,6 +1,6 @@
 """The gpu overlay's worker HPAs (issue 18): each pool scales on its own worker gauge as a Pods metric,
 served by the Prometheus adapter rule documented in docs/operations.md; scale-down removes at most
-one pod per drain period. (tests/integration/test_observability.py checks that live workers export
+one pod per drain period. (tests/integration/test_router_real_services.py checks that live workers export
 these gauges.)"""
 
 from __future__ import annotations
