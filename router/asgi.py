@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 
 from common import tracing
+from router import spans
 from router.config import RouterConfig
 from router.protocol import ENDPOINTS, BadRequest, error_body, parse_request
 from router.proxy import ClientGone, ProxyError
@@ -134,7 +135,7 @@ class ProxyEndpoints:
         st = self.state
         t0 = time.monotonic()
         status = 0
-        span = _request_span(scope, endpoint) if tracing.enabled() else None
+        span = spans.request_span(_header(scope, b"traceparent"), endpoint) if tracing.enabled() else None
         try:
             denied = auth_error(st.cfg, _header(scope, b"authorization"))
             if denied:
@@ -166,17 +167,4 @@ class ProxyEndpoints:
                 st.metrics.requests.inc(endpoint=endpoint, status=str(status))
                 st.metrics.e2e.observe(time.monotonic() - t0)
                 if span is not None:
-                    _end_request_span(span, status)
-
-
-def _request_span(scope: dict, endpoint: str):  # noqa: ANN202
-    """The request's root span in the router, continuing the client's trace when it sent a traceparent."""
-    return tracing.start("router.request", _header(scope, b"traceparent") or None, {"endpoint": endpoint},
-                         kind="server")
-
-
-def _end_request_span(span, status: int) -> None:  # noqa: ANN001
-    span.set_attribute("status", status)
-    if status >= 400:
-        tracing.fail(span, f"status {status}")
-    span.end()
+                    spans.end_request(span, status)

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from common import tracing
+from router import spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
@@ -149,7 +150,8 @@ class Proxy:
     # ---- pairing and retries ------------------------------------------------------------------------
     async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None) -> Worker:
         if span is not None:
-            return await self._traced_pick(role, prefix, tried, span)
+            return await spans.traced_pick(lambda: self._pick(role, prefix, tried), span, role, len(tried),
+                                           lambda: len(self.registry.eligible(role)))
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
             raise ProxyError(
@@ -160,26 +162,13 @@ class Proxy:
         fresh = [w for w in eligible if w.url not in tried]
         return self.policies[role].pick(fresh or eligible, prefix)
 
-    async def _traced_pick(self, role: str, prefix: str, tried: set[str], parent: Any) -> Worker:
-        """_pick inside a `router.pick` span (the wait for an eligible worker included)."""
-        span = tracing.start("router.pick", parent, {"role": role, "avoid": len(tried)})
-        try:
-            w = await self._pick(role, prefix, tried)
-            span.set_attributes({"worker": w.url, "eligible": len(self.registry.eligible(role))})
-            return w
-        except ProxyError as e:
-            tracing.fail(span, e.message)
-            raise
-        finally:
-            span.end()
-
     async def _with_retries(self, req: ProxyRequest, attempt):
         tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         last: AttemptFailed | None = None
         for n in range(self.max_retries + 1):
             if n:
                 self.metrics.retries.inc()
-            span = None if req.trace is None else tracing.start("router.attempt", req.trace, {"attempt": n})
+            span = None if req.trace is None else spans.attempt_span(req.trace, n)
             try:
                 p = await self._pick("prefill", req.prefix, tried["prefill"], span)
                 d = await self._pick("decode", req.prefix, tried["decode"], span)
@@ -188,11 +177,10 @@ class Proxy:
                     span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})
                 return await attempt(p, d, room, tracing.traceparent(span))
             except AttemptFailed as e:
-                tracing.fail(span, str(e))
+                if span is not None:
+                    spans.attempt_failed(span, e.side, e.worker.url, str(e))
                 if not e.result.worker_fault:
                     raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
-                if span is not None:
-                    span.set_attributes({"blamed": e.side, "blamed_worker": e.worker.url})
                 tried[e.side].add(e.worker.url)
                 last = e
             finally:
@@ -367,7 +355,7 @@ class Proxy:
         outcome = "client_disconnect"
         last = time.monotonic()
         self.metrics.ttft.observe(last - t0)
-        span = None if req.trace is None else tracing.start("router.stream", req.trace, {"decode": d.url})
+        span = None if req.trace is None else spans.stream_span(req.trace, d.url)
         n_events = 0
         itl = self.metrics.itl.observe
         reader = start.reader
@@ -412,16 +400,7 @@ class Proxy:
             self.metrics.e2e.observe(time.monotonic() - t0)
             start.response.close()
             if span is not None:
-                _end_stream_spans(span, req.trace, outcome, n_events)
-
-
-def _end_stream_spans(span: Any, request_span: Any, outcome: str, n_events: int) -> None:
-    """End `router.stream` and the request's span, which a stream ends itself (router.asgi does not)."""
-    for s in (span, request_span):
-        s.set_attributes({"outcome": outcome, "events": n_events})
-        if outcome != "200":
-            tracing.fail(s, outcome)
-        s.end()
+                spans.end_stream(span, req.trace, outcome, n_events)
 
 
 def _close_started_stream(task: asyncio.Task) -> None:
