@@ -206,7 +206,7 @@ def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:
     for it in items:
         t = it.req.trace
         if t is not None:
-            t.end("waiting_queue")
+            t.end("waiting_queue", end_ns=t0)  # the wait ended when its first chunk's forward began
             t.span("chunk", t0, t1, tokens=it.num_tokens, start=it.req.kv_len - it.num_tokens,
                    last=it.completes_prompt, batch_requests=len(items))
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 
 from common import tracing
-from router import spans
+from router import reqlog, spans
 from router.config import RouterConfig
 from router.protocol import ENDPOINTS, BadRequest, error_body, parse_request
 from router.proxy import ClientGone, ProxyError
@@ -168,3 +168,5 @@ class ProxyEndpoints:
                 st.metrics.e2e.observe(time.monotonic() - t0)
                 if span is not None:
                     spans.end_request(span, status)
+                if st.cfg.request_log:
+                    reqlog.finished(endpoint, status, time.monotonic() - t0, span)

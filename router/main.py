@@ -149,7 +149,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         bootstrap_port_annotation=ns.k8s_bootstrap_port_annotation,
         worker_port=ns.k8s_port,
     )
-    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level, **kw)
+    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level,
+                       request_log=ns.log_format == "json", **kw)
     if not cfg.workers and not k8s.enabled:
         logging.getLogger("router").warning("no workers given: add them with POST /admin/workers")
     return cfg

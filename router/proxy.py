@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from common import tracing
-from router import spans
+from router import reqlog, spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
@@ -120,6 +120,7 @@ class Proxy:
         max_retries: int,
         worker_wait_s: float = 0.0,
         retry_after_s: int = 1,
+        request_log: bool = False,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -128,6 +129,7 @@ class Proxy:
         self.max_retries = max_retries
         self.worker_wait_s = worker_wait_s  # how long a request waits for an eligible worker of a role
         self.retry_after_s = retry_after_s  # Retry-After of the 503 when none came
+        self.request_log = request_log  # a JSON line per finished stream (router.reqlog)
         self._background: set[asyncio.Task] = set()
 
     # ---- public API -------------------------------------------------------------------------------
@@ -356,7 +358,7 @@ class Proxy:
         last = time.monotonic()
         self.metrics.ttft.observe(last - t0)
         span = None if req.trace is None else spans.stream_span(req.trace, d.url)
-        n_events = 0
+        n_events = 0  # counted for the span and the request log
         itl = self.metrics.itl.observe
         reader = start.reader
         try:
@@ -399,6 +401,9 @@ class Proxy:
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
             start.response.close()
+            if self.request_log:
+                reqlog.finished(req.endpoint, outcome, time.monotonic() - t0, req.trace, stream=True,
+                                prefill=p.url, decode=d.url, room=room, events=n_events)
             if span is not None:
                 spans.end_stream(span, req.trace, outcome, n_events)
 

@@ -38,12 +38,13 @@ class ReqTrace:
         if phase not in self.open:
             self.begin(phase, **attrs)
 
-    def end(self, phase: str, **attrs: Any) -> None:
+    def end(self, phase: str, end_ns: int | None = None, **attrs: Any) -> None:
+        """End `phase` if open (at `end_ns`, default now)."""
         span = self.open.pop(phase, None)
         if span is not None:
             if attrs:
                 span.set_attributes(attrs)
-            span.end()
+            span.end(end_time=end_ns)
 
     def annotate(self, phase: str, **attrs: Any) -> None:
         """Set attributes on `phase` if it is open."""

@@ -208,7 +208,7 @@ def test_one_pd_request_is_one_connected_trace(stack, traced) -> None:
     assert by_name["router.stream"][0].attributes["outcome"] == "200"
 
 
-def test_json_request_log_carries_the_trace_id(stack, traced) -> None:
+def test_json_request_logs_carry_the_trace_id(stack, traced) -> None:
     trace_id, _ = traced
 
     def finished_line() -> dict | None:
@@ -223,6 +223,11 @@ def test_json_request_log_carries_the_trace_id(stack, traced) -> None:
 
     rec = wait_for(finished_line, 30, "the decode's JSON finished line")
     assert rec["status"] == 200 and rec["completion_tokens"] == 6 and rec["process"] == "decode"
+    router_log = Path(stack["children"]["router"][1])
+    lines = [json.loads(ln) for ln in router_log.read_text().splitlines() if ln.startswith("{")]
+    (mine,) = [r for r in lines if r.get("trace_id") == trace_id]
+    assert mine["logger"] == "router.requests" and mine["status"] == "200" and mine["stream"] is True
+    assert mine["room"] == rec["room"] and mine["events"] == 7
 
 
 def _exported_names(text: str) -> set[str]:

@@ -152,6 +152,8 @@ def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: Engine
     assert {sp.context.trace_id for sp in spans} == {trace_id}
     assert all(sp.parent.span_id == root.get_span_context().span_id for sp in spans if sp.name != "test.root")
     chunks = [sp for sp in spans if sp.name == "prefill.chunk"]
+    for w in (sp for sp in spans if sp.name == "prefill.waiting_queue"):  # a queue wait ends as a chunk starts
+        assert any(c.start_time == w.end_time for c in chunks)
     assert sum(sp.attributes["tokens"] for sp in chunks) == sum(map(len, PROMPTS))
     xfer = [sp for sp in spans if sp.name == "prefill.kv_transfer"]
     assert sum(sp.attributes["pages"] for sp in xfer) == sum(-(-len(p) // 4) for p in PROMPTS)
