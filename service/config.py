@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from common.logs import add_observability_args
 from common.secrets import read_secret
+from common.tracing import traces_url
 from engine.config import CPU_DEFAULT_TOKENS, EMBEDDED_MODEL, EngineConfig
 from service.channels import Endpoints
 
@@ -66,6 +67,8 @@ class ServerConfig:
             raise ValueError(f"role must be one of {ROLES}")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in 0..65535")
+        if self.otlp_endpoint:
+            traces_url(self.otlp_endpoint)  # ValueError naming --otlp-endpoint
 
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
