@@ -16,7 +16,8 @@ from engine.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
-from service.worker import req_from_msg, run_loop, setup_logging, token_out
+from service.tracing import scheduler_hook
+from service.worker import req_from_msg, run_loop, setup_process, token_out
 
 
 class ColocatedRole:
@@ -24,10 +25,13 @@ class ColocatedRole:
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> None:
         self.runner, self.kv = runner, kv
-        self.sched = Scheduler(runner, cfg, kv)
+        self.sched = Scheduler(runner, cfg, kv, on_event=scheduler_hook())
 
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        self.sched.add(req_from_msg(msg))  # a prompt the KV pool can never hold is reported at the next step
+        req = req_from_msg(msg, "colocated")
+        if req.trace is not None:
+            req.trace.begin("queue", prompt_tokens=len(req.input_ids))
+        self.sched.add(req)  # a prompt the KV pool can never hold is reported at the next step
         return []
 
     def abort(self, msg: m.AbortReq) -> None:
@@ -53,7 +57,7 @@ class ColocatedRole:
 
 
 def run_colocated_worker(cfg: ServerConfig) -> None:
-    setup_logging(cfg)
+    setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

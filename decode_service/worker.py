@@ -32,7 +32,8 @@ from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
-from service.worker import error_out, run_loop, setup_logging, token_out
+from service.tracing import scheduler_hook
+from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVReceiver, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.decode")
@@ -49,7 +50,7 @@ class DecodeRole:
         self.local_threshold = local_threshold
         budget = dataclasses.replace(cfg, max_prefill_tokens=local_budget,
                                      chunked_prefill_size=min(cfg.chunked_prefill_size, local_budget))
-        self.sched = Scheduler(runner, budget, kv)
+        self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook())
         self.prefills = {"local": 0, "remote": 0}
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
@@ -59,7 +60,7 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv, 1)
+        req, bad = pd_request(msg, self.kv, "decode", 1)
         if req is None:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
@@ -69,6 +70,8 @@ class DecodeRole:
             return []
         self.prefills["remote"] += 1
         self.prealloc.append(req)
+        if req.trace is not None:
+            req.trace.begin("admission", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
         return []
 
     def _prefill_here(self, req: Req) -> None:
@@ -146,6 +149,9 @@ class DecodeRole:
                 self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
                 continue
             self.transfer[r.bootstrap_room] = (r, rx, time.monotonic())
+            if r.trace is not None:
+                r.trace.end("admission", pages=need)
+                r.trace.begin("kv_transfer", room=r.bootstrap_room, pages=need)
 
     def _poll_transfers(self) -> None:
         for room, (r, rx, t0) in list(self.transfer.items()):
@@ -153,7 +159,10 @@ class DecodeRole:
             if st == KVPoll.SUCCESS:
                 meta = rx.metadata or {}
                 self._drop_transfer(room, keep_pages=True)
-                self.tstats.success((len(r.pages) - r.dropped_pages) * self.page_bytes, time.monotonic() - t0)
+                nbytes = (len(r.pages) - r.dropped_pages) * self.page_bytes
+                self.tstats.success(nbytes, time.monotonic() - t0)
+                if r.trace is not None:
+                    r.trace.end("kv_transfer", bytes=nbytes)
                 self._commit(r, meta)
             elif st == KVPoll.FAILED:
                 self.tstats.failed += 1
@@ -190,6 +199,9 @@ class DecodeRole:
         s = self.sched.stats()
         s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
         s["counters"].update({f"prefills_{k}": v for k, v in self.prefills.items()})
+        # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests)
+        s["kv_usage"] = round(self.kv.pool.used_tokens / max(1, self.kv.pool.total_tokens), 4)
+        s["running_requests"] = len(self.sched.running)
         return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
 
     def close(self) -> None:
@@ -199,7 +211,7 @@ class DecodeRole:
 
 
 def run_decode_worker(cfg: ServerConfig) -> None:
-    setup_logging(cfg)
+    setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)

@@ -54,6 +54,8 @@ class Req:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     created: float = field(default_factory=time.monotonic)
+    # the service's per-request trace (service.tracing.ReqTrace) or None; opaque to the engine
+    trace: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

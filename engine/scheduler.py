@@ -14,7 +14,7 @@ Request lifecycle (colocated):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.batch import BatchExecutor, ExtendItem
 from engine.config import EngineConfig
@@ -108,8 +108,16 @@ def dedup(reqs: list[Req]) -> list[Req]:
     return [r for r in reqs if not (r.rid in seen or seen.add(r.rid))]
 
 
+Event = Callable[[str, Req], None]
+
+
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None) -> None:
+    """`on_event(name, req)`, when given, hears "running" (prompt done or joined), "retract" (KV moved
+    to the host pool) and "reload" (moved back) for each request: the services trace with it."""
+
+    def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None,
+                 on_event: Event | None = None) -> None:
+        self.on_event = on_event
         self.cfg = cfg
         self.runner = runner
         self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
@@ -150,6 +158,8 @@ class Scheduler:
             if it.completes_prompt:
                 self.waiting.remove(it.req)
                 self.running.append(it.req)
+                if self.on_event is not None:
+                    self.on_event("running", it.req)
         for r in result.sampled:
             self.outbox.append(r)
             if r.finished:
@@ -166,6 +176,8 @@ class Scheduler:
         else:
             self.running.append(r)
             self.outbox.append(r)
+            if self.on_event is not None:
+                self.on_event("running", r)
 
     def _finish(self, r: Req, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
         r.finish(reason, error, code)
@@ -184,6 +196,8 @@ class Scheduler:
             self.kv.reload(r)
             self.waiting.popleft()
             self.running.append(r)
+            if self.on_event is not None:
+                self.on_event("reload", r)
 
     def _prepare_decode(self) -> list[Req]:
         """Give every running request room for one more token, retracting when pages run out."""
@@ -201,6 +215,8 @@ class Scheduler:
         if self.kv.can_offload(r):
             self.kv.offload(r)
             self.waiting.appendleft(r)
+            if self.on_event is not None:
+                self.on_event("retract", r)
         else:
             self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from common.http import TOKEN_HEADER
+from common.logs import add_observability_args
 from common.procs import Child, free_port, http_ok, stop_all
 from engine.cpus import cpu_budget, threads_per_worker
 
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "not passed when the workers compute on a GPU)",
     )
     p.add_argument("--worker-args", default="", help="extra flags for every worker, one shell-quoted string")
+    add_observability_args(p)  # --otlp-endpoint, --log-format: passed to the router and every worker
     p.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for everything to be healthy"
     )
@@ -101,6 +103,11 @@ def worker_threads(a: argparse.Namespace, extra: list[str]) -> int | None:
     return threads_per_worker(a.prefill + a.decode)
 
 
+def _observability_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--log-format", a.log_format]
+    return flags + ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else flags
+
+
 def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
     child = Child(name, argv, log_dir / f"{name}.log", url=url)
     print(f"started {name} pid {child.pid}: {url} (log {child.log_path})", flush=True)
@@ -111,7 +118,7 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
     """Spawn the workers, then the router, into `children` (kept in stop order: router first), so a
     signal in the middle still leaves every started child in the list."""
     base = shlex.split(a.worker_cmd)
-    extra = shlex.split(a.worker_args)
+    extra = shlex.split(a.worker_args) + _observability_flags(a)
     if a.max_total_tokens:
         extra += ["--max-total-tokens", str(a.max_total_tokens)]
     threads = worker_threads(a, extra)
@@ -163,7 +170,7 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
         "--decode-policy",
         a.decode_policy,
     ]
-    router_argv += router_workers
+    router_argv += router_workers + _observability_flags(a)
     if a.api_key_file:
         router_argv += ["--api-key-file", a.api_key_file]
     host = "127.0.0.1" if a.host in ("0.0.0.0", "::") else a.host

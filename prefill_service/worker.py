@@ -35,7 +35,7 @@ from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
-from service.worker import error_out, run_loop, setup_logging, token_out
+from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVSender, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.prefill")
@@ -71,7 +71,7 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv, self.cfg.chunked_prefill_size)
+        req, bad = pd_request(msg, self.kv, "prefill", self.cfg.chunked_prefill_size)
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
@@ -80,6 +80,8 @@ class PrefillRole:
             return [error_out(msg.rid, e.message, int(e.code))]
         start = self.kv.window_start(len(req.input_ids))  # the decode reads nothing before it
         self.bootstrap.append(Room(req, sender, start, start))
+        if req.trace is not None:
+            req.trace.begin("bootstrap_queue", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
         log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.bootstrap_room,
                  len(req.input_ids))
         return []
@@ -105,11 +107,13 @@ class PrefillRole:
         items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
         if items:
+            t0 = time.time_ns()
             with self.mgr.background():  # transfers, acks and heartbeats move during the forward
                 self.exec.run(items, [])
                 if self.slow_first_forward_s:
                     time.sleep(self.slow_first_forward_s)
                     self.slow_first_forward_s = 0.0
+            _trace_chunks(items, t0, time.time_ns())
             rooms = {id(room.req): room for room in self.waiting}
             for it in items:
                 self._after_chunk(rooms[id(it.req)], it)
@@ -131,12 +135,17 @@ class PrefillRole:
                 self.bootstrap.remove(room)
                 room.t_ready = time.monotonic()
                 self.waiting.append(room)
+                if room.req.trace is not None:
+                    room.req.trace.end("bootstrap_queue")
+                    room.req.trace.begin("waiting_queue")
         for room in list(self.waiting):
             if room.sender.poll() == KVPoll.FAILED:
                 self._fail(room)
 
     def _after_chunk(self, room: Room, it: ExtendItem) -> None:
         r = room.req
+        if r.trace is not None:
+            r.trace.ensure("kv_transfer", room=r.bootstrap_room, page_bytes=self.page_bytes)
         try:
             if it.completes_prompt:
                 meta = {"room": r.bootstrap_room, "first_token": r.output_ids[0], "cached_tokens": r.cached_tokens,
@@ -167,8 +176,10 @@ class PrefillRole:
             if st == KVPoll.SUCCESS:
                 r = room.req
                 now = time.monotonic()
-                self.tstats.success((len(r.pages) - room.first_page) * self.page_bytes, now - room.t_ready,
-                                    now - room.t_last_sent)
+                pages = len(r.pages) - room.first_page
+                self.tstats.success(pages * self.page_bytes, now - room.t_ready, now - room.t_last_sent)
+                if r.trace is not None:
+                    r.trace.end("kv_transfer", pages=pages, bytes=pages * self.page_bytes)
                 if r.finish_reason is None:  # prefill's part ends with the first token
                     r.finish(FinishReason.LENGTH)
                 self._end(room, r.finish_reason, None, 0)
@@ -198,6 +209,9 @@ class PrefillRole:
     def stats(self) -> dict:
         return {
             "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
+            # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens)
+            "queued_prompt_tokens": sum(len(room.req.input_ids) - room.req.kv_len
+                                        for room in (*self.bootstrap, *self.waiting)),
             "kv_used_tokens": self.kv.pool.used_tokens,
             "kv_total_tokens": self.kv.pool.total_tokens,
             "active_rooms": self.mgr.active_rooms(),
@@ -212,8 +226,18 @@ class PrefillRole:
         self.mgr.close()
 
 
+def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:
+    """One `prefill.chunk` span per traced request of the extend batch that ran from t0 to t1 (ns)."""
+    for it in items:
+        t = it.req.trace
+        if t is not None:
+            t.end("waiting_queue", end_ns=t0)  # the wait ended when its first chunk's forward began
+            t.span("chunk", t0, t1, tokens=it.num_tokens, start=it.req.kv_len - it.num_tokens,
+                   last=it.completes_prompt, batch_requests=len(items))
+
+
 def run_prefill_worker(cfg: ServerConfig) -> None:
-    setup_logging(cfg)
+    setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)

@@ -17,12 +17,15 @@ the app's: the same auth check, status codes, error bodies, Retry-After and metr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 
+from common import tracing
+from router import reqlog, spans
 from router.config import RouterConfig
 from router.protocol import ENDPOINTS, BadRequest, error_body, parse_request
 from router.proxy import ClientGone, ProxyError
@@ -132,12 +135,16 @@ class ProxyEndpoints:
         st = self.state
         t0 = time.monotonic()
         status = 0
+        span = spans.request_span(_header(scope, b"traceparent"), endpoint) if tracing.enabled() else None
         try:
             denied = auth_error(st.cfg, _header(scope, b"authorization"))
             if denied:
                 status = 401
                 return await _send_error(send, 401, denied)
             req = parse_request(endpoint, parse_json(await _read_body(receive)))
+            if span is not None:
+                req = dataclasses.replace(req, trace=span)
+                span.set_attribute("stream", req.stream)
             disconnected = lambda: _wait_disconnect(receive)
             if req.stream:
                 events = await st.proxy.stream(req, disconnected)
@@ -159,3 +166,7 @@ class ProxyEndpoints:
             if status >= 0:
                 st.metrics.requests.inc(endpoint=endpoint, status=str(status))
                 st.metrics.e2e.observe(time.monotonic() - t0)
+                if span is not None:
+                    spans.end_request(span, status)
+                if st.cfg.request_log:
+                    reqlog.finished(endpoint, status, time.monotonic() - t0, span)

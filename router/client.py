@@ -106,10 +106,11 @@ class HttpxHotPath:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self.http = http
 
-    async def post(self, url: str, path: str, body: bytes) -> HttpxResponse:
-        request = self.http.build_request(
-            "POST", url + path, content=body, headers={"content-type": "application/json"}
-        )
+    async def post(self, url: str, path: str, body: bytes, traceparent: str = "") -> HttpxResponse:
+        headers = {"content-type": "application/json"}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        request = self.http.build_request("POST", url + path, content=body, headers=headers)
         return HttpxResponse(await self.http.send(request, stream=True))
 
     def close(self) -> None:

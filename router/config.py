@@ -93,6 +93,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     k8s: K8sConfig = field(default_factory=K8sConfig)
     log_level: str = "info"
+    request_log: bool = False  # one JSON line per finished request (--log-format json), router.reqlog
     processes: int = 1  # router processes sharing the port (--workers); each keeps its own state
 
     def __post_init__(self) -> None:

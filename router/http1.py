@@ -5,7 +5,7 @@ docs/benchmarks.md). This client keeps idle keep-alive connections per worker, w
 one pre-built header block plus the body, and parses answers with httptools (llhttp, C).
 
 Contract:
-- `Pool.post(url, path, body)` -> `Response` once the status line and headers arrived; then either
+- `Pool.post(url, path, body, traceparent="")` -> `Response` once the status line and headers arrived; then either
   `await resp.read()` (the whole body) or `await resp.next_chunk()` until it returns None (the body as
   it arrives, for SSE). `resp.close()` hands a finished keep-alive connection back to the pool and
   closes any other; it is idempotent and safe at any point.
@@ -281,9 +281,12 @@ class Pool:
                 return
         conn._close()
 
-    async def post(self, url: str, path: str, body: bytes) -> Response:
+    async def post(self, url: str, path: str, body: bytes, traceparent: str = "") -> Response:
         key, head = self._head(url, path)
-        data = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+        if traceparent:
+            data = b"%s%d\r\ntraceparent: %s\r\n\r\n%s" % (head, len(body), traceparent.encode(), body)
+        else:
+            data = b"%s%d\r\n\r\n%s" % (head, len(body), body)
         for _ in range(2):
             conn = self._acquire_idle(key) or await self._connect(key)
             try:

@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from common import tracing
+from common.logs import add_observability_args, setup_logging
 from common.secrets import read_secret, read_secret_lines
 from router.config import POLICIES, K8sConfig, RouterConfig, load_yaml, parse_worker_flag
 
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "health, load counts and metrics, and /admin/workers cannot change workers when > 1",
     )
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_observability_args(p)
     return p
 
 
@@ -146,7 +149,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         bootstrap_port_annotation=ns.k8s_bootstrap_port_annotation,
         worker_port=ns.k8s_port,
     )
-    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level, **kw)
+    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level,
+                       request_log=ns.log_format == "json", **kw)
     if not cfg.workers and not k8s.enabled:
         logging.getLogger("router").warning("no workers given: add them with POST /admin/workers")
     return cfg
@@ -155,8 +159,10 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
 ARGV_ENV = "PDSERVE_ROUTER_ARGV"  # the flags, for the processes of --workers N
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _observability(ns: argparse.Namespace) -> None:
+    """Logging and (when configured) tracing of this router process."""
+    setup_logging(ns.log_level, ns.log_format, "router")
+    tracing.setup("pdserve-router", ns.otlp_endpoint)
 
 
 def app_from_env():
@@ -164,16 +170,18 @@ def app_from_env():
     from router.app import create_app
 
     ns = build_parser().parse_args(json.loads(os.environ[ARGV_ENV]))
-    _logging(ns.log_level)
+    _observability(ns)
     return create_app(config_from_args(ns))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
-    _logging(ns.log_level)
+    setup_logging(ns.log_level, ns.log_format, "router")
     try:
         cfg = config_from_args(ns)
+        if ns.otlp_endpoint:
+            tracing.traces_url(ns.otlp_endpoint)  # a bad URL fails here, not in each process
     except (ValueError, OSError) as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy_headers=False,  # the router reads no client address; X-Forwarded-* parsing costs per request
     )
     if cfg.processes == 1:
+        tracing.setup("pdserve-router", ns.otlp_endpoint)
         uvicorn.run(create_app(cfg), **serve)
     else:
         os.environ[ARGV_ENV] = json.dumps(argv)

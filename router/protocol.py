@@ -32,6 +32,7 @@ class ProxyRequest:
     prompt_tokens: int  # estimate
     max_new_tokens: int  # estimate
     input_logprobs: bool  # prefill's input logprobs go in front of decode's
+    trace: Any = None  # the request's span while tracing is on (common.tracing), else None
 
     def prefill_body(self, host: str, port: int, room: int) -> dict:
         body = self.decode_body(host, port, room)

@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from common import tracing
+from router import reqlog, spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
@@ -118,6 +120,7 @@ class Proxy:
         max_retries: int,
         worker_wait_s: float = 0.0,
         retry_after_s: int = 1,
+        request_log: bool = False,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -126,13 +129,14 @@ class Proxy:
         self.max_retries = max_retries
         self.worker_wait_s = worker_wait_s  # how long a request waits for an eligible worker of a role
         self.retry_after_s = retry_after_s  # Retry-After of the 503 when none came
+        self.request_log = request_log  # a JSON line per finished stream (router.reqlog)
         self._background: set[asyncio.Task] = set()
 
     # ---- public API -------------------------------------------------------------------------------
     async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
         """Run a non-streaming request: decode's (status, JSON bytes). Raises ProxyError/ClientGone."""
         return await self._with_retries(
-            req, lambda p, d, room: self._attempt_unary(req, p, d, room, disconnected)
+            req, lambda p, d, room, tp: self._attempt_unary(req, p, d, room, tp, disconnected)
         )
 
     async def stream(
@@ -141,12 +145,15 @@ class Proxy:
         """Start a streaming request; returns the SSE byte iterator once decode's first event arrived."""
         t0 = time.monotonic()
         start, p, d, room = await self._with_retries(
-            req, lambda p, d, room: self._attempt_stream(req, p, d, room, disconnected)
+            req, lambda p, d, room, tp: self._attempt_stream(req, p, d, room, tp, disconnected)
         )
         return self._relay(req, start, p, d, room, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
-    async def _pick(self, role: str, prefix: str, tried: set[str]) -> Worker:
+    async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None) -> Worker:
+        if span is not None:
+            return await spans.traced_pick(lambda: self._pick(role, prefix, tried), span, role, len(tried),
+                                           lambda: len(self.registry.eligible(role)))
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
             raise ProxyError(
@@ -163,15 +170,24 @@ class Proxy:
         for n in range(self.max_retries + 1):
             if n:
                 self.metrics.retries.inc()
-            p = await self._pick("prefill", req.prefix, tried["prefill"])
-            d = await self._pick("decode", req.prefix, tried["decode"])
+            span = None if req.trace is None else spans.attempt_span(req.trace, n)
             try:
-                return await attempt(p, d, secrets.randbits(63))
+                p = await self._pick("prefill", req.prefix, tried["prefill"], span)
+                d = await self._pick("decode", req.prefix, tried["decode"], span)
+                room = secrets.randbits(63)
+                if span is not None:
+                    span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})
+                return await attempt(p, d, room, tracing.traceparent(span))
             except AttemptFailed as e:
+                if span is not None:
+                    spans.attempt_failed(span, e.side, e.worker.url, str(e))
                 if not e.result.worker_fault:
                     raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
                 tried[e.side].add(e.worker.url)
                 last = e
+            finally:
+                if span is not None:
+                    span.end()
         assert last is not None
         status = 504 if "Timeout" in last.result.message else 502
         raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
@@ -231,10 +247,10 @@ class Proxy:
                 watch.cancel()
 
     # ---- one attempt ----------------------------------------------------------------------------------
-    async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int) -> SideResult:
+    async def _post_json(self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str) -> SideResult:
         lease = self.registry.lease(w, tokens)
         try:
-            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body), tp)
             content = await resp.read()
         except TRANSPORT_ERRORS as e:
             return SideResult(w, 0, None, f"{type(e).__name__}: {e}")
@@ -243,15 +259,15 @@ class Proxy:
         return _result(w, resp.status, content)
 
     async def _attempt_unary(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[int, bytes]:
         host, port = p.bootstrap_host, p.bootstrap_port
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._post_json(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
@@ -272,12 +288,12 @@ class Proxy:
                 self._abort_both(p, d, room)
 
     async def _open_stream(
-        self, w: Worker, endpoint: str, body: dict, tokens: int
+        self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str
     ) -> tuple[SideResult, StreamStart | None]:
         lease: Lease | None = self.registry.lease(w, tokens)
         resp: Response | HttpxResponse | None = None
         try:
-            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body))
+            resp = await self.client.hot.post(w.url, endpoint, orjson.dumps(body), tp)
             if not resp.is_success:
                 return _result(w, resp.status, await resp.read()), None
             reader = SSEReader(resp.next_chunk)
@@ -301,15 +317,15 @@ class Proxy:
                 lease.release()
 
     async def _attempt_stream(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, disconnected: Disconnected | None
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[StreamStart, Worker, Worker, int]:
         host, port = p.bootstrap_host, p.bootstrap_port
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._open_stream(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens
+                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
@@ -341,6 +357,8 @@ class Proxy:
         outcome = "client_disconnect"
         last = time.monotonic()
         self.metrics.ttft.observe(last - t0)
+        span = None if req.trace is None else spans.stream_span(req.trace, d.url)
+        n_events = 0  # counted for the span and the request log
         itl = self.metrics.itl.observe
         reader = start.reader
         try:
@@ -354,6 +372,7 @@ class Proxy:
                         done = True
                         del events[i + 1 :]
                         break
+                n_events += len(events)
                 yield events[0] + b"\n\n" if len(events) == 1 else b"\n\n".join(events) + b"\n\n"
                 if done:
                     break
@@ -382,6 +401,11 @@ class Proxy:
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
             start.response.close()
+            if self.request_log:
+                reqlog.finished(req.endpoint, outcome, time.monotonic() - t0, req.trace, stream=True,
+                                prefill=p.url, decode=d.url, room=room, events=n_events)
+            if span is not None:
+                spans.end_stream(span, req.trace, outcome, n_events)
 
 
 def _close_started_stream(task: asyncio.Task) -> None:

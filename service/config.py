@@ -13,7 +13,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from common.logs import add_observability_args
 from common.secrets import read_secret
+from common.tracing import traces_url
 from engine.config import CPU_DEFAULT_TOKENS, EMBEDDED_MODEL, EngineConfig
 from service.channels import Endpoints
 
@@ -59,6 +61,8 @@ class ServerConfig:
     served_model_name: str = ""
     log_level: str = "info"
     ipc_dir: str = ""  # where the zmq ipc sockets live; "" = a fresh temp dir
+    otlp_endpoint: str = ""  # OTLP/HTTP collector for traces; "" = OTEL_* variables or off
+    log_format: str = "text"  # text | json (JSON lines with the trace id)
 
     @property
     def endpoints(self) -> Endpoints:
@@ -70,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"role must be one of {ROLES}")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in 0..65535")
+        if self.otlp_endpoint:
+            traces_url(self.otlp_endpoint)  # ValueError naming --otlp-endpoint
 
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -117,6 +123,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     s.add_argument("--internal-token-file", default=None,
                    help="file holding a token; when set, requests must carry it in header x-pdserve-token")
     s.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_observability_args(s)
     if role in ("prefill", "decode"):
         dp = PDConfig()
         t = p.add_argument_group("prefill/decode transfer")
@@ -189,5 +196,6 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,
         internal_token=read_secret(ns.internal_token_file),
         served_model_name=ns.served_model_name, log_level=ns.log_level,
+        otlp_endpoint=ns.otlp_endpoint, log_format=ns.log_format,
         ipc_dir=os.environ.get("PDSERVE_IPC_DIR", ""),
     )

@@ -27,7 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common import tracing
 from common.http import TOKEN_HEADER, error_body
+from common.tracing import TRACEPARENT
 from service.config import ServerConfig
 from service.messages import AbortReq
 from service.metrics import CONTENT_TYPE, FrontendMetrics
@@ -109,10 +111,24 @@ def _log_finish(tr: RequestTracker, status: int, endpoint: str, state: FrontendS
     for itl in tr.itls:
         m.itl.observe(itl)
     m.e2e.observe(e2e)
+    fields = {"rid": tr.rid, "room": tr.parsed.req.bootstrap_room, "status": status, "finish": tr.finish_reason,
+              "prompt_tokens": tr.prompt_tokens, "completion_tokens": len(tr.output_ids),
+              "cached_tokens": tr.cached_tokens, "ttft": None if ttft is None else round(ttft, 4),
+              "e2e": round(e2e, 4), "endpoint": endpoint}
+    if tr.span is not None:
+        _end_span(tr, fields)
     log.info("finished rid=%s room=%s status=%d finish=%s prompt_tokens=%d completion_tokens=%d "
              "cached_tokens=%d ttft=%s e2e=%.3f", tr.rid, tr.parsed.req.bootstrap_room, status,
              tr.finish_reason, tr.prompt_tokens, len(tr.output_ids), tr.cached_tokens,
-             "-" if ttft is None else f"{ttft:.3f}", e2e)
+             "-" if ttft is None else f"{ttft:.3f}", e2e,
+             extra={**fields, "trace_id": tracing.trace_id(tr.parsed.req.traceparent)})
+
+
+def _end_span(tr: RequestTracker, fields: dict) -> None:
+    tr.span.set_attributes({k: v for k, v in fields.items() if v is not None})
+    if fields["status"] != 200:
+        tracing.fail(tr.span, tr.error_message() if tr.failed else f"status {fields['status']}")
+    tr.span.end()
 
 
 async def _next_out(queue: asyncio.Queue, request: Request | None) -> Any:
@@ -224,6 +240,10 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
         return _error("a request with this rid is already running", 400)
     state.in_flight += 1
     tr = RequestTracker(parsed, state.tokenizer, t0)
+    if tracing.enabled():
+        tr.span = tracing.start(f"{state.config.role}.request", request.headers.get(TRACEPARENT),
+                                {"rid": parsed.req.rid, "endpoint": endpoint}, kind="server")
+        parsed.req.traceparent = tracing.traceparent(tr.span)
     try:
         await state.bridge.send(parsed.req)
     except BaseException:

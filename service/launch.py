@@ -31,6 +31,8 @@ from typing import Any
 
 import uvicorn
 
+from common import tracing
+from common.logs import setup_logging
 from service.bridge import WorkerBridge
 from service.config import ServerConfig
 from service.messages import AbortReq
@@ -69,8 +71,8 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
     from engine.models.embedded import resolve_model_path
     from service.tokenizer import load_tokenizer
 
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format, config.role)
+    tracing.setup(f"pdserve-{config.role}", config.otlp_endpoint)
     try:
         model_dir = resolve_model_path(config.engine.model)
     except (ValueError, FileNotFoundError) as e:
@@ -87,6 +89,7 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
             return asyncio.run(_serve_async(config, proc, tokenizer, str(model_dir), drain_grace_s))
         finally:
             _stop_worker(proc)
+            tracing.shutdown()
             log.info("%s service stopped", config.role)
 
 

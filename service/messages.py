@@ -37,6 +37,8 @@ class GenerateReq:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    # W3C traceparent of the frontend's span for this request; "" = not traced
+    traceparent: str = ""
     version: int = VERSION
 
 

@@ -38,12 +38,12 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
     return TransferManager(tc, runner.pool.buffer, compat_info(runner))
 
 
-def pd_request(msg: m.GenerateReq, kv: KVManager, chunk: int) -> tuple[Req | None, m.TokenOut | None]:
+def pd_request(msg: m.GenerateReq, kv: KVManager, role: str, chunk: int) -> tuple[Req | None, m.TokenOut | None]:
     """(the request, None), or (None, the 400 that answers it) when the prompt can never fit this
     worker's KV pool computed in chunks of `chunk` tokens (the decode receives it whole: 1): the one
     check only the worker can make (the frontend validated the rest)."""
     err = kv.capacity_error(len(msg.input_ids), chunk)
-    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg), None)
+    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg, role), None)
 
 
 def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]:
@@ -75,6 +75,8 @@ class TransferStats:
             self.tail.observe(tail_s)
 
     def info(self) -> dict:
+        # on /metrics: pdserve_worker_transfer_bytes_total, pdserve_worker_transfer_rooms{name=...},
+        # histogram pdserve_worker_transfer_seconds
         return {
             "transfer_bytes_total": self.bytes,
             "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},

@@ -49,6 +49,7 @@ class RequestTracker:
         self.prompt_tokens = len(parsed.req.input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.span: Any = None  # this request's frontend span while tracing is on (common.tracing)
 
     @property
     def rid(self) -> str:

@@ -14,25 +14,34 @@ import signal
 import time
 from typing import Protocol
 
+from common import tracing
+from common.logs import setup_logging
 from engine.request import FinishReason, Req
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
+from service.tracing import ReqTrace
 
 log = logging.getLogger("pdserve.worker")
 
 
-def req_from_msg(msg: m.GenerateReq) -> Req:
-    """The engine's request for an already-validated GenerateReq."""
+def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
+    """The engine's request for an already-validated GenerateReq (traced when it carries a traceparent
+    and tracing is on in this process)."""
     return Req(
         rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling, stream=msg.stream,
         return_logprob=msg.return_logprob, bootstrap_host=msg.bootstrap_host,
         bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
+        trace=ReqTrace.for_msg(msg.traceparent, role),
     )
 
 
 def token_out(r: Req) -> m.TokenOut:
-    """What r produced since the last report; marks it reported."""
+    """What r produced since the last report; marks it reported (and ends its spans once finished)."""
+    if r.trace is not None and r.finished:
+        r.trace.annotate("running", completion_tokens=len(r.output_ids), retractions=r.retractions,
+                    finish_reason=r.finish_reason.value if r.finish_reason else "")
+        r.trace.close(r.error if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) else None)
     new = r.output_ids[r.sent_tokens :]
     lps = r.output_logprobs[r.sent_tokens :] if r.return_logprob else []
     r.sent_tokens = len(r.output_ids)
@@ -62,9 +71,10 @@ class Role(Protocol):
     def close(self) -> None: ...
 
 
-def setup_logging(cfg: ServerConfig) -> None:
-    logging.basicConfig(level=cfg.log_level.upper(),
-                        format=f"%(asctime)s {cfg.role}-worker %(levelname)s %(name)s: %(message)s")
+def setup_process(cfg: ServerConfig) -> None:
+    """Logging (text or JSON lines) and tracing of a worker process."""
+    setup_logging(cfg.log_level, cfg.log_format, f"{cfg.role}-worker")
+    tracing.setup(f"pdserve-{cfg.role}", cfg.otlp_endpoint)
 
 
 def handle(role: Role, msg: m.GenerateReq | m.AbortReq) -> list[m.TokenOut]:
@@ -104,3 +114,4 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
     finally:
         role.close()
         io.close()
+        tracing.shutdown()

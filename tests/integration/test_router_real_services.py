@@ -1,26 +1,42 @@
 """Acceptance 1: the `openai` client (chat and completions, streaming and not) through the router to
 2 prefill + 2 decode real services (started by `pdserve up`, UCX transfer, embedded model) gets the
-same greedy output as the colocated service."""
+same greedy output as the colocated service.
+
+The same services export traces to an OTLP/HTTP collector in this test and log JSON lines
+(`pdserve up --otlp-endpoint ... --log-format json`), for issue 18 (tests at the end of the module):
+one PD request is one connected trace, its JSON log line carries the trace id, and every query of the
+Grafana dashboard names a metric these live services export.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
-from router_harness import ROOT, Proc, free_port
+from otlp_collector import Collector, render_tree
+from pd_harness import read_sse
+from router_harness import ROOT, Proc, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 ENGINE = ["--max-total-tokens", "8192", "--device", "cpu"]
+STARTED = re.compile(r"^started (\S+) pid \d+: (http://\S+) \(log (.+)\)$")
 
 
 @pytest.fixture(scope="module")
-def services(tmp_path_factory):
+def stack(tmp_path_factory):
+    """`pdserve up` (router, 2 prefill, 2 decode; traces to `collector`) and a colocated service."""
+    collector = Collector()
     logs = tmp_path_factory.mktemp("up")
     colo_port, router_port = free_port(), free_port()
     colo = Proc(
@@ -28,7 +44,8 @@ def services(tmp_path_factory):
         [sys.executable, "-m", "pdserve", "colocated", "--port", str(colo_port), "--threads", "1", *ENGINE],
         f"http://127.0.0.1:{colo_port}",
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # OTEL_BSP_SCHEDULE_DELAY: spans leave each process within 0.1 s
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OTEL_BSP_SCHEDULE_DELAY": "100"}
     up = subprocess.Popen(
         [
             sys.executable,
@@ -53,6 +70,10 @@ def services(tmp_path_factory):
             str(logs),
             "--startup-timeout",
             "600",
+            "--otlp-endpoint",
+            collector.url,
+            "--log-format",
+            "json",
         ],
         cwd=ROOT,
         env=env,
@@ -69,7 +90,9 @@ def services(tmp_path_factory):
             assert time.monotonic() < deadline, "pdserve up not ready:\n" + "".join(out)
             out.append(line)
         colo.wait_healthy(600)
-        yield f"http://127.0.0.1:{router_port}", colo.url
+        children = {m.group(1): (m.group(2), m.group(3)) for ln in out if (m := STARTED.match(ln.strip()))}
+        yield {"router": f"http://127.0.0.1:{router_port}", "colo": colo.url, "children": children,
+               "collector": collector}
     finally:
         up.send_signal(2)
         try:
@@ -77,6 +100,12 @@ def services(tmp_path_factory):
         except subprocess.TimeoutExpired:
             up.kill()
         colo.stop()
+        collector.close()
+
+
+@pytest.fixture(scope="module")
+def services(stack):
+    return stack["router"], stack["colo"]
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -110,3 +139,127 @@ def test_openai_client_through_router_matches_colocated(services, stream):
         assert expected and _chat(via, model, stream) == expected
         expected = _complete(colo, model, stream)
         assert expected and _complete(via, model, stream) == expected
+
+
+# ---- issue 18: traces, JSON request logs, dashboard queries ----------------------------------------
+DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"
+PROMPT = ("Name the three primary colors of light and explain, in one short sentence each, how a screen mixes "
+          "them into white light.")
+WANT_SPANS = {
+    "pdserve-router": {"router.request", "router.attempt", "router.pick", "router.stream"},
+    "pdserve-prefill": {"prefill.request", "prefill.bootstrap_queue", "prefill.waiting_queue", "prefill.chunk",
+                        "prefill.kv_transfer"},
+    "pdserve-decode": {"decode.request", "decode.admission", "decode.kv_transfer", "decode.running"},
+}
+
+
+@pytest.fixture(scope="module")
+def traced(stack):
+    """One streamed chat completion through the router, sent with the client's own traceparent."""
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"model": "x", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "stream": True,
+            "temperature": 0}
+    with httpx.Client(timeout=300) as c, c.stream(
+            "POST", stack["router"] + "/v1/chat/completions", json=body,
+            headers={"traceparent": f"00-{trace_id}-{client_span}-01"}) as r:
+        assert r.status_code == 200, r.read()
+        events = read_sse(r)
+    assert events and not any("error" in e for e in events), events
+    col = stack["collector"]
+
+    def complete() -> bool:
+        have = {(s.service, s.name) for s in col.trace(trace_id)}
+        return all((svc, n) in have for svc, names in WANT_SPANS.items() for n in names)
+
+    try:
+        wait_for(complete, 60, "every span of the request at the collector", interval=0.1)
+    except TimeoutError:
+        raise AssertionError(render_tree(col.trace(trace_id))) from None
+    return trace_id, client_span
+
+
+def test_one_pd_request_is_one_connected_trace(stack, traced) -> None:
+    trace_id, client_span = traced
+    spans = stack["collector"].trace(trace_id)
+    print(f"\ntrace {trace_id} ({len(spans)} spans):\n{render_tree(spans)}")
+    ids = {s.span_id for s in spans}
+    assert len(ids) == len(spans)
+    roots = [s for s in spans if s.parent_id not in ids]
+    assert [(s.name, s.parent_id) for s in roots] == [("router.request", client_span)], "one tree under the client"
+    assert not [s for s in spans if s.error], "no span failed"
+    by_name = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    parent = {s.span_id: s for s in spans}
+    attempt = by_name["router.attempt"][0]
+    assert attempt.attributes["attempt"] == 0 and attempt.attributes["room"]
+    assert {p.attributes["role"] for p in by_name["router.pick"]} == {"prefill", "decode"}
+    for role in ("prefill", "decode"):  # each frontend continues the router's attempt span
+        (req,) = by_name[f"{role}.request"]
+        assert parent[req.parent_id].name == "router.attempt"
+    chunks = by_name["prefill.chunk"]  # one or more (several chunks: tests/unit/test_pd_inprocess.py)
+    assert chunks and sum(c.attributes["tokens"] for c in chunks) == by_name[
+        "prefill.bootstrap_queue"][0].attributes["prompt_tokens"]
+    for side in ("prefill", "decode"):
+        (x,) = by_name[f"{side}.kv_transfer"]
+        assert x.attributes["bytes"] > 0 and x.attributes["room"] == attempt.attributes["room"]
+        assert parent[x.parent_id].name == f"{side}.request"
+    assert by_name["decode.running"][0].attributes["completion_tokens"] == 6
+    assert by_name["router.stream"][0].attributes["outcome"] == "200"
+
+
+def test_json_request_logs_carry_the_trace_id(stack, traced) -> None:
+    trace_id, _ = traced
+
+    def finished_line() -> dict | None:
+        for name, (_, log) in stack["children"].items():
+            if name.startswith("decode"):
+                for line in Path(log).read_text().splitlines():
+                    if line.startswith("{") and '"finished rid=' in line:
+                        rec = json.loads(line)
+                        if rec.get("trace_id") == trace_id:
+                            return rec
+        return None
+
+    rec = wait_for(finished_line, 30, "the decode's JSON finished line")
+    assert rec["status"] == 200 and rec["completion_tokens"] == 6 and rec["process"] == "decode"
+    router_log = Path(stack["children"]["router"][1])
+    lines = [json.loads(ln) for ln in router_log.read_text().splitlines() if ln.startswith("{")]
+    (mine,) = [r for r in lines if r.get("trace_id") == trace_id]
+    assert mine["logger"] == "router.requests" and mine["status"] == "200" and mine["stream"] is True
+    assert mine["room"] == rec["room"] and mine["events"] == 7
+
+
+def _exported_names(text: str) -> set[str]:
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names.add(name)
+            names.update({"counter": [name + "_total"],
+                          "histogram": [name + s for s in ("_bucket", "_sum", "_count")]}.get(kind, []))
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+def test_dashboard_queries_name_exported_metrics(stack, traced) -> None:
+    exported: set[str] = set()
+    urls = [url for url, _ in stack["children"].values()]
+    assert len(urls) == 5, stack["children"]  # router, 2 prefill, 2 decode
+    for url in urls:  # /metrics needs no internal token
+        r = httpx.get(url + "/metrics", timeout=10)
+        r.raise_for_status()
+        exported |= _exported_names(r.text)
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 20
+    missing = {}
+    for e in exprs:
+        used = set(re.findall(r"\bpdserve_[a-z0-9_]+", e))
+        assert used, f"no pdserve metric in {e!r}"
+        if used - exported:
+            missing[e] = sorted(used - exported)
+    assert not missing, missing
+    for signal in ("pdserve_worker_queued_prompt_tokens", "pdserve_worker_kv_usage", "pdserve_worker_running_requests"):
+        assert signal in exported, f"autoscaling signal {signal} not exported"

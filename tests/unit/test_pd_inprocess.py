@@ -4,11 +4,16 @@ must produce the colocated role's greedy tokens, and free every page on both sid
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from tests.pd_harness import PDPair, colocated_tokens
+from service import messages as m
+from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
 from tests.tiny_model import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 3, 7, 11], list(range(1, 40)), [200, 201, 202]]  # 1, several and one page(s)
@@ -56,3 +61,97 @@ def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> 
         assert pair.p_mgr.active_rooms() == 0 and pair.d_mgr.active_rooms() == 0
     finally:
         pair.close()
+
+
+def _traced_provider():  # noqa: ANN202
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: EngineConfig) -> None:
+    """Traced requests get worker spans under the frontend's traceparent; the autoscaling signals
+    (prefill queued prompt tokens, decode KV usage and running requests) follow the queues. The decode's
+    pool is too small for every output (new_token_ratio 0), so running requests are retracted."""
+    import dataclasses
+
+    from common import tracing
+
+    provider, exporter = _traced_provider()
+    tracing.use_provider(provider)
+    small = dataclasses.replace(engine_cfg, max_total_tokens=64, new_token_ratio=0.0)
+    pair = PDPair(engine_cfg, decode_cfg=small)
+    prefill, decode, p_mgr = pair.prefill, pair.decode, pair.p_mgr
+    root = tracing.start("test.root")
+    tp = tracing.traceparent(root)
+    done: dict[str, m.TokenOut] = {}
+    try:
+        for i, ids in enumerate(PROMPTS):
+            boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p_mgr.bootstrap_port, "bootstrap_room": 200 + i}
+            prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
+            decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
+        assert prefill.stats()["queued_prompt_tokens"] == sum(map(len, PROMPTS))
+        deadline = time.monotonic() + 30
+        while len(done) < len(PROMPTS):
+            assert time.monotonic() < deadline, f"stuck: decode {decode.stats()}"
+            prefill.step()
+            collect(decode.step(), {}, done)
+            if not (prefill.has_work() or decode.has_work()):
+                p_mgr.idle_wait(0.002)
+        assert all(o.error is None for o in done.values())
+        assert prefill.stats()["queued_prompt_tokens"] == 0
+        s = decode.stats()
+        assert s["kv_usage"] == 0 and s["running_requests"] == 0 and s["counters"]["retractions"] > 0
+    finally:
+        prefill.close()
+        decode.close()
+        root.end()
+        tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    names = [sp.name for sp in spans]
+    for name in ("prefill.bootstrap_queue", "prefill.waiting_queue", "prefill.chunk", "prefill.kv_transfer",
+                 "decode.admission", "decode.kv_transfer", "decode.running", "decode.retracted"):
+        assert name in names, f"no {name} span in {sorted(set(names))}"
+    trace_id = root.get_span_context().trace_id
+    assert {sp.context.trace_id for sp in spans} == {trace_id}
+    assert all(sp.parent.span_id == root.get_span_context().span_id for sp in spans if sp.name != "test.root")
+    chunks = [sp for sp in spans if sp.name == "prefill.chunk"]
+    for w in (sp for sp in spans if sp.name == "prefill.waiting_queue"):  # a queue wait ends as a chunk starts
+        assert any(c.start_time == w.end_time for c in chunks)
+    assert sum(sp.attributes["tokens"] for sp in chunks) == sum(map(len, PROMPTS))
+    xfer = [sp for sp in spans if sp.name == "prefill.kv_transfer"]
+    assert sum(sp.attributes["pages"] for sp in xfer) == sum(-(-len(p) // 4) for p in PROMPTS)
+    assert all(sp.attributes["bytes"] == sp.attributes["pages"] * sp.attributes["page_bytes"] for sp in xfer)
+
+
+def test_colocated_role_traces_queue_running_and_retraction(engine_cfg: EngineConfig) -> None:
+    import dataclasses
+
+    from common import tracing
+
+    provider, exporter = _traced_provider()
+    tracing.use_provider(provider)
+    small = dataclasses.replace(engine_cfg, max_total_tokens=64, new_token_ratio=0.0)
+    runner = ModelRunner(small)
+    kv = kv_manager(runner)
+    role = ColocatedRole(small, runner, kv)
+    root = tracing.start("test.root")
+    done: dict[str, m.TokenOut] = {}
+    try:
+        for i, ids in enumerate(PROMPTS):
+            role.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING,
+                                   traceparent=tracing.traceparent(root)))
+        while len(done) < len(PROMPTS):
+            collect(role.step(), {}, done)
+    finally:
+        root.end()
+        tracing.shutdown()
+    assert all(o.error is None for o in done.values())
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names.count("colocated.queue") == names.count("colocated.running") == len(PROMPTS)
+    assert "colocated.retracted" in names and kv.retractions > 0
