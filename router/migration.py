@@ -54,8 +54,11 @@ class StreamLedger:
         if j < 0:
             return raw
         ids = raw[i + len(_IDS):j]
-        if ids.strip():
-            self.ids.extend(int(x) for x in ids.split(b","))
+        if b"," not in ids:  # one token per event, the common case
+            if ids.strip():
+                self.ids.append(int(ids))
+        else:
+            self.ids.extend(map(int, ids.split(b",")))
         if _FINISHED in raw:
             self.finished = True
         return raw[:i] + raw[j + 1:]
