@@ -1,12 +1,14 @@
-"""Chaos scenario on a local `pdserve up` cluster: kill -9 a decode while it streams under load.
+"""Chaos scenarios on a local `pdserve up` cluster: kill -9 a worker under load.
 
-    python -m loadtest.chaos --out out/chaos [--requests 12 --max-tokens 32 --decode 2]
+    python -m loadtest.chaos --out out/chaos [--kill decode|prefill --requests 12 --max-tokens 32]
 
-1. `pdserve up --prefill 1 --decode N` (supervised: --restart on-failure), logs in OUT/logs.
+1. `pdserve up --prefill P --decode D` (supervised: --restart on-failure), logs in OUT/logs.
 2. Reference batch: `--requests` greedy streams at once (completions and chat alternating, distinct
    prompts, exact length: ignore_eos), all must complete.
-3. Chaos batch: the same requests again; once a quarter of the expected tokens have arrived, the decode
-   carrying the most streams is killed (SIGKILL to its process group).
+3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
+   arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
+   `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
+   the prefill with the most requests is killed mid-prefill.
 4. Checks per request: completed with the reference text (no token lost or repeated), a clean error
    (an error event), or a hang (no end within --timeout). Migrations from the router's counter; the
    killed decode must be restarted by `pdserve up`; every pool back to 0; the next batch completes.
@@ -80,9 +82,9 @@ async def _batch(url: str, n: int, max_tokens: int, timeout: float, on_progress=
 
 
 class _Up:
-    def __init__(self, out: Path, decodes: int, port: int) -> None:
+    def __init__(self, out: Path, prefills: int, decodes: int, port: int) -> None:
         self.log_dir = out / "logs"
-        argv = [sys.executable, "-m", "pdserve", "up", "--prefill", "1", "--decode", str(decodes), "--port",
+        argv = [sys.executable, "-m", "pdserve", "up", "--prefill", str(prefills), "--decode", str(decodes), "--port",
                 str(port), "--log-dir", str(self.log_dir), "--max-total-tokens", "8192"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -112,10 +114,15 @@ def _pools_free(workers: dict[str, str], token: str) -> bool:
     return True
 
 
-def _carrier(router: str, workers: dict[str, str]) -> str:
+def _carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
+    """The worker of `role` with the most requests in flight, and that count."""
     rows = httpx.get(router + "/admin/workers", timeout=5).json()["workers"]
-    busy = max((w for w in rows if w["role"] == "decode"), key=lambda w: w["outstanding_requests"])
-    return next(name for name, url in workers.items() if url == busy["url"])
+    busy = max((w for w in rows if w["role"] == role), key=lambda w: w["outstanding_requests"])
+    return next(name for name, url in workers.items() if url == busy["url"]), busy["outstanding_requests"]
+
+
+def _counter(router: str, name: str) -> float:
+    return promtext.total(promtext.parse(httpx.get(router + "/metrics").text), name)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -123,7 +130,7 @@ def run(a: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     router = f"http://127.0.0.1:{port}"
-    up = _Up(out, a.decode, port)
+    up = _Up(out, a.prefill, a.decode, port)
     try:
         wait_until(lambda: "Ctrl-C stops everything" in up.text() or up.proc.poll() is not None, 900, "pdserve up")
         token = (up.log_dir / "internal-token").read_text().strip()
@@ -132,12 +139,16 @@ def run(a: argparse.Namespace) -> dict:
         ref = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout))
         ref_s = time.monotonic() - t0
         assert all(r["status"] == "ok" for r in ref), [r for r in ref if r["status"] != "ok"]
-        before = promtext.total(promtext.parse(httpx.get(router + "/metrics").text), "pdserve_router_migrations_total")
+        before = {c: _counter(router, c) for c in ("pdserve_router_migrations_total", "pdserve_router_retries_total")}
         killed: list[str] = []
+        in_flight: list[int] = []
+
+        at = a.requests * a.max_tokens // 4 if a.kill == "decode" else 1
 
         def kill_when(tokens: int) -> None:
-            if not killed and tokens >= a.requests * a.max_tokens // 4:
-                name = _carrier(router, workers)
+            if not killed and tokens >= at:
+                name, n = _carrier(router, workers, a.kill)
+                in_flight.append(n)
                 pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
                 os.killpg(pid, signal.SIGKILL)
                 killed.append(name)
@@ -145,7 +156,7 @@ def run(a: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         res = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
         chaos_s = time.monotonic() - t0
-        after = promtext.total(promtext.parse(httpx.get(router + "/metrics").text), "pdserve_router_migrations_total")
+        after = {c: _counter(router, c) - v for c, v in before.items()}
         same = sum(r["status"] == "ok" and r["text"] == ref[r["i"]]["text"] for r in res)
         (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed}, indent=1))
         restarted = bool(killed) and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart")
@@ -154,9 +165,12 @@ def run(a: argparse.Namespace) -> dict:
                    600, "the restarted decode re-admitted")
         nxt = asyncio.run(_batch(router, a.requests, 4, a.timeout))
         report = {
-            "scenario": f"kill -9 a decode mid-stream ({a.decode} decodes, 1 prefill)", "requests": a.requests,
+            "scenario": f"kill -9 a {a.kill} mid-{'stream' if a.kill == 'decode' else 'prefill'} "
+                        f"({a.prefill} prefill, {a.decode} decode)", "requests": a.requests,
             "completed": sum(r["status"] == "ok" for r in res), "equal_to_unfailed": same,
-            "migrated": int(after - before), "clean_errors": sum(r["status"] == "error" for r in res),
+            "migrated": int(after["pdserve_router_migrations_total"]),
+            "retried": int(after["pdserve_router_retries_total"]), "victim_in_flight": in_flight[:1],
+            "clean_errors": sum(r["status"] == "error" for r in res),
             "hangs": sum(r["status"] == "hang" for r in res), "pools_after": "0", "killed": killed,
             "restarted": restarted, "next_batch_ok": sum(r["status"] == "ok" for r in nxt),
             "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
@@ -174,13 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory (chaos.json, logs/)")
     p.add_argument("--requests", type=int, default=12, help="concurrent streaming requests per batch")
     p.add_argument("--max-tokens", type=int, default=32, help="exact output length of each request")
-    p.add_argument("--decode", type=int, default=2, help="decode services (one is killed)")
+    p.add_argument("--kill", choices=("decode", "prefill"), default="decode", help="the role of the worker killed")
+    p.add_argument("--prefill", type=int, default=1, help="prefill services")
+    p.add_argument("--decode", type=int, default=2, help="decode services")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds after which a request counts as hung")
     r = run(p.parse_args(argv))
     print(json.dumps(r, indent=2))
-    print("| scenario | requests | completed | equal to unfailed | migrated | clean errors | hangs | pools after |")
+    print("| scenario | requests | completed | equal to unfailed | migrated | retried | clean errors | hangs | "
+          "pools after |")
     print(f"| {r['scenario']} | {r['requests']} | {r['completed']} | {r['equal_to_unfailed']} | {r['migrated']} | "
-          f"{r['clean_errors']} | {r['hangs']} | {r['pools_after']} |")
+          f"{r['retried']} | {r['clean_errors']} | {r['hangs']} | {r['pools_after']} |")
     return 0
 
 
