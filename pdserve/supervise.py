@@ -59,6 +59,9 @@ class Supervisor:
             if self.policy == "never":
                 return child
             if code == 0:
+                if slot.due is None:
+                    slot.due = float("inf")  # stays down; said once
+                    self._log(f"{child.name} (pid {child.pid}) exited with 0; not restarted")
                 continue
             if slot.due is None:
                 _kill_leftovers(child)

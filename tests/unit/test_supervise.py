@@ -31,13 +31,15 @@ def test_on_failure_restarts_with_doubling_backoff(tmp_path):
 
 
 def test_clean_exit_stays_down_and_never_is_final(tmp_path):
+    log: list[str] = []
     children = [_child(tmp_path, 0)]
-    sup = Supervisor("on-failure", children, print)
+    sup = Supervisor("on-failure", children, log.append)
     children[0].popen.wait(10)
     first = children[0]
     for t in (0.0, 5.0, 50.0):
         assert sup.poll(t) is None
     assert children[0] is first and sup.restarts("w") == 0
+    assert len(log) == 1 and "exited with 0; not restarted" in log[0]
     dead = [_child(tmp_path, 1)]
     dead[0].popen.wait(10)
     assert Supervisor("never", dead, print).poll(0.0) is dead[0]
