@@ -8,7 +8,8 @@
 3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
    arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
    `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
-   the prefill with the most requests is killed mid-prefill.
+   the prefill with the most requests is killed mid-prefill. `--signal STOP` freezes it for --stop-s
+   instead, `--signal TERM` drains it (it exits 0 and stays down).
 4. Checks per request: completed with the reference text (no token lost or repeated), a clean error
    (an error event), or a hang (no end within --timeout). Migrations from the router's counter; the
    killed decode must be restarted by `pdserve up`; every pool back to 0; the next batch completes.
@@ -36,6 +37,8 @@ from common.procs import free_port, wait_until
 from loadtest import promtext
 
 REPO = Path(__file__).resolve().parent.parent
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
+WHAT = {"KILL": "kill -9", "STOP": "SIGSTOP (then SIGCONT)", "TERM": "SIGTERM (drain)"}
 
 
 def _body(i: int, max_tokens: int) -> tuple[str, dict]:
@@ -150,7 +153,10 @@ def run(a: argparse.Namespace) -> dict:
                 name, n = _carrier(router, workers, a.kill)
                 in_flight.append(n)
                 pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
-                os.killpg(pid, signal.SIGKILL)
+                # TERM goes to the service's main process only, as Kubernetes sends it: the service drains
+                (os.kill if a.signal == "TERM" else os.killpg)(pid, SIGNALS[a.signal])
+                if a.signal == "STOP":  # frozen for --stop-s, then thawed (the scenario, not a wait)
+                    threading.Timer(a.stop_s, os.killpg, (pid, signal.SIGCONT)).start()
                 killed.append(name)
 
         t0 = time.monotonic()
@@ -159,13 +165,17 @@ def run(a: argparse.Namespace) -> dict:
         after = {c: _counter(router, c) - v for c, v in before.items()}
         same = sum(r["status"] == "ok" and r["text"] == ref[r["i"]]["text"] for r in res)
         (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed}, indent=1))
-        restarted = bool(killed) and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart")
-        wait_until(lambda: _pools_free(up.workers(), token), 120, "pools back to 0")
-        wait_until(lambda: all(w["healthy"] for w in httpx.get(router + "/admin/workers").json()["workers"]),
-                   600, "the restarted decode re-admitted")
+        restarted = (a.signal == "KILL" and bool(killed)
+                     and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart"))
+        gone = set(killed) if a.signal == "TERM" else set()
+        wait_until(lambda: _pools_free({n: u for n, u in up.workers().items() if n not in gone}, token), 120,
+                   "pools back to 0")
+        if a.signal != "TERM":  # a drained worker exits 0 and stays down (--restart on-failure)
+            wait_until(lambda: all(w["healthy"] for w in httpx.get(router + "/admin/workers").json()["workers"]),
+                       600, "the worker re-admitted")
         nxt = asyncio.run(_batch(router, a.requests, 4, a.timeout))
         report = {
-            "scenario": f"kill -9 a {a.kill} mid-{'stream' if a.kill == 'decode' else 'prefill'} "
+            "scenario": f"{WHAT[a.signal]} a {a.kill} mid-{'stream' if a.kill == 'decode' else 'prefill'} "
                         f"({a.prefill} prefill, {a.decode} decode)", "requests": a.requests,
             "completed": sum(r["status"] == "ok" for r in res), "equal_to_unfailed": same,
             "migrated": int(after["pdserve_router_migrations_total"]),
@@ -189,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=12, help="concurrent streaming requests per batch")
     p.add_argument("--max-tokens", type=int, default=32, help="exact output length of each request")
     p.add_argument("--kill", choices=("decode", "prefill"), default="decode", help="the role of the worker killed")
+    p.add_argument("--signal", choices=tuple(SIGNALS), default="KILL",
+                   help="KILL (restarted by pdserve up), STOP (SIGCONT after --stop-s), TERM (drains, exits 0)")
+    p.add_argument("--stop-s", type=float, default=25.0, help="seconds a SIGSTOPped worker stays frozen")
     p.add_argument("--prefill", type=int, default=1, help="prefill services")
     p.add_argument("--decode", type=int, default=2, help="decode services")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds after which a request counts as hung")
