@@ -55,7 +55,8 @@ def run_mode(name: str, flags: list[str], args: argparse.Namespace, log_dir: Pat
         ttft = []
         with httpx.Client(timeout=600) as c:
             for i in range(args.requests + 1):  # the first is a warm-up, not counted
-                body = {"text": prompt(args.prompt_tokens, i), "stream": False,
+                n = args.prompt_tokens if i else 64  # the warm-up only opens the connections
+                body = {"text": prompt(n, i), "stream": False,
                         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
                         "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": 1000 + i}
                 t0 = time.monotonic()
@@ -82,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=4096, help="approximate prompt length")
     ap.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (--chunked-prefill-size)")
-    ap.add_argument("--requests", type=int, default=3, help="measured requests per mode (after one warm-up)")
+    ap.add_argument("--requests", type=int, default=2, help="measured requests per mode (after a short warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="--threads of each service")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args()

@@ -4,8 +4,10 @@ A message is a dataclass with a `version` field; a part nested inside a message 
 a TokenBatch) may have none and travels with its message's version. On the wire a message is a
 msgpack map of its fields plus `type` (the class name). A `Codec` knows a closed set of classes and
 has one strictness for all: an undecodable frame, a missing or unknown type, a version other than
-the class's default, a missing or ill-typed field raise `ValueError` on decode, never a half-read
-message. Unknown extra keys are ignored (a newer peer may add optional fields within one version).
+the class's default (`VersionError`), a missing or ill-typed field raise `ValueError` on decode,
+never a half-read message. Field types are checked one level deep against the annotation (`int`,
+`str | None`, `list[int]` -> a list, ...); what a list holds is the reader's to check. Unknown
+extra keys are ignored (a newer peer may add optional fields within one version).
 
 Nested values: a registered dataclass inside a field (a list of them too) travels as its own typed
 map. A field value whose class has `to_dict()` and a `from_dict(d)` classmethod (a frozen value
@@ -15,10 +17,31 @@ object such as SamplingParams) travels as that dict and is rebuilt by the field'
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
 import msgpack
+
+
+class VersionError(ValueError):
+    """A known message type with another version than ours."""
+
+
+def _wire_types(hint: Any) -> tuple[type, ...] | None:
+    """Python types a msgpack value of a field annotated `hint` may have; None: not checked."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_wire_types(a) for a in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+    base = origin or hint
+    if base is type(None):
+        return (type(None),)
+    if base is float:
+        return (int, float)
+    if base in (int, str, bytes, bool, list, dict):
+        return (base,)
+    return None  # Any, a nested message or value object: checked where it is decoded
 
 
 class Codec:
@@ -26,9 +49,11 @@ class Codec:
         self.name = name  # names this set in errors ("service message", "transfer message")
         self.types = {c.__name__: c for c in classes}
         self._values: dict[type, dict[str, type]] = {}  # class -> {field: value-object class}
+        self._wire: dict[type, dict[str, tuple[type, ...]]] = {}  # class -> {field: allowed types}
         for c in classes:
             hints = typing.get_type_hints(c)
             self._values[c] = {f: t for f, t in hints.items() if isinstance(t, type) and hasattr(t, "from_dict")}
+            self._wire[c] = {f: w for f, t in hints.items() if (w := _wire_types(t)) is not None}
 
     def encode(self, msg: Any) -> bytes:
         if type(msg).__name__ not in self.types:
@@ -42,7 +67,10 @@ class Codec:
             raise ValueError(f"undecodable {self.name}: {e}") from e
         if not isinstance(obj, dict) or "type" not in obj:
             raise ValueError(f"{self.name} without a type")
-        return self._from_wire(obj)
+        try:
+            return self._from_wire(obj)
+        except RecursionError as e:  # messages nested in messages, hundreds deep
+            raise ValueError(f"{self.name} nested too deep") from e
 
     def _to_wire(self, obj: Any) -> Any:
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -62,12 +90,15 @@ class Codec:
             raise ValueError(f"unknown {self.name} type {name!r}")
         want = next((f.default for f in dataclasses.fields(cls) if f.name == "version"), None)
         if want is not None and d.get("version") != want:
-            raise ValueError(f"{name}: version {d.get('version')} != {want}")
+            raise VersionError(f"{name}: version {d.get('version')} != {want}")
         kw: dict[str, Any] = {}
+        wire = self._wire[cls]
         for f in dataclasses.fields(cls):
             if f.name not in d:
                 continue
             v = d[f.name]
+            if f.name in wire and not isinstance(v, wire[f.name]):
+                raise ValueError(f"{name}.{f.name}: {type(v).__name__} is not {f.type}")
             if f.name in self._values[cls]:
                 v = self._value(name, f.name, self._values[cls][f.name], v)
             elif self._is_message(v):

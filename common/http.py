@@ -6,6 +6,10 @@ from typing import Any
 
 TOKEN_HEADER = "x-pdserve-token"  # router -> worker requests carry the internal token here
 
+# Mid-stream migration (router <-> service, internal: the router strips both before the client sees them)
+TOKEN_IDS_KEY = "pd_token_ids"  # body flag: each stream event carries its tokens' ids under this key, last
+RESUME_KEY = "pd_resume"  # body field: {"output_ids": [...], "id": str, "created": int} continues a stream
+
 
 def error_body(message: str, status: int, err_type: str | None = None, fault: str = "") -> dict[str, Any]:
     """`{"error": {"message", "type", "code"[, "fault"]}}`; type defaults by status (4xx client, 5xx

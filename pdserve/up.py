@@ -7,8 +7,13 @@
    threads than the machine has cores; `--threads`, or `--threads` inside --worker-args, overrides it.
 3. Wait until every worker's and the router's /health answers 200, printing progress; if a child
    exits first, print its log tail, stop the rest, exit 1.
-4. Print the URL and a curl example, then watch the children until Ctrl-C / SIGTERM: stop the router,
-   then the workers (SIGTERM, SIGKILL after --grace seconds), exit 0.
+4. Print the URL and a curl example, then supervise the children until Ctrl-C / SIGTERM
+   (pdserve/supervise.py): with --restart on-failure (default) a child that exits non-zero is started
+   again with the same flags and ports after a backoff (1, 2, 4 ... 30 s), logged here; the router
+   ejects a dead worker after failed health probes and re-admits it once healthy, the others keep
+   serving. With --restart never the first exit stops everything and exits 1.
+5. On Ctrl-C / SIGTERM: stop the router, then the workers (SIGTERM, SIGKILL after --grace seconds),
+   exit 0.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from common.http import TOKEN_HEADER
 from common.logs import add_observability_args
 from common.procs import Child, free_port, http_ok, stop_all
 from engine.cpus import cpu_budget, threads_per_worker
+from pdserve.supervise import POLICIES, Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
+    p.add_argument(
+        "--restart",
+        default="on-failure",
+        choices=POLICIES,
+        help="on-failure: restart a child (worker or router) that exits non-zero, with backoff 1, 2, 4 ... 30 s "
+        "(reset after 60 s up), same flags and ports; never: the first exit stops everything (exit 1)",
     )
     p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
     p.add_argument(
@@ -262,15 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{bad.name} {state}; last lines of {bad.log_path}:\n{bad.tail()}", file=sys.stderr)
             return 1
         _print_ready(children[0], _model_name(children[0], a.api_key_file), bool(a.api_key_file))
+        sup = Supervisor(a.restart, children, log=lambda line: print(line, flush=True), now=time.monotonic())
         while True:
-            for c in children:
-                if c.popen.poll() is not None:
-                    print(
-                        f"\n{c.name} exited with {c.popen.returncode}; last lines:\n{c.tail()}",
-                        file=sys.stderr,
-                    )
-                    return 1
-            time.sleep(0.5)
+            c = sup.poll(time.monotonic())
+            if c is not None:
+                print(f"\n{c.name} exited with {c.popen.returncode}; last lines:\n{c.tail()}", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
     except _Stop:
         print("\nstopping ...", flush=True)
         return 0

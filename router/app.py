@@ -61,6 +61,7 @@ class RouterState:
             worker_wait_s=cfg.worker_wait_s,
             retry_after_s=max(1, math.ceil(cfg.health_interval_s)),
             request_log=cfg.request_log,
+            migration_limit=cfg.migration_limit,
         )
         self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s)
         self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None

@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {d.max_retries})",
     )
     p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=None,
+        help=f"times a streamed completions/chat request whose decode fails after tokens were streamed is "
+        f"moved to another prefill/decode pair, with the prompt plus the tokens so far, continuing the "
+        f"client's stream (default {d.migration_limit}; 0: end the stream with an error event)",
+    )
+    p.add_argument(
         "--health-interval",
         type=float,
         default=None,
@@ -131,6 +139,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         "decode_policy": ns.decode_policy,
         "request_timeout_s": ns.request_timeout,
         "max_retries": ns.max_retries,
+        "migration_limit": ns.migration_limit,
         "health_interval_s": ns.health_interval,
         "health_failures": ns.health_failures,
         "worker_wait_s": ns.worker_wait,

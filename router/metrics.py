@@ -51,6 +51,8 @@ class RouterMetrics:
                                        ("endpoint", "status"), r)
         self.retries = LabeledCounter("pdserve_router_retries_total",
                                       "Attempts re-run on another prefill/decode pair", (), r)
+        self.migrations = LabeledCounter("pdserve_router_migrations_total",
+                                         "Streams moved to another pair after their decode failed mid-stream", (), r)
         self.ejections = LabeledCounter("pdserve_router_ejections_total",
                                         "Workers ejected after failed probes/requests", ("role", "url"), r)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Router-side time to first token event",

@@ -13,8 +13,12 @@
    relayed, not retried. A client disconnect aborts both sides. When no worker of a role is eligible,
    the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
    with Retry-After.
-4. Once streaming began, a failure of D ends the stream with an `data: {"error": ...}` event; a
-   stream that does not end cleanly (error, client disconnect) aborts the room on both sides.
+4. Once streaming began, a failure of D (transport error, stream cut before `[DONE]`, a 5xx error
+   event) migrates a completions/chat stream (router/migration.py): the request goes to another pair
+   with the prompt plus the tokens streamed so far and the remaining budget, and the client's stream
+   continues with the same id, at most `migration_limit` times. Otherwise (or with no worker left) the
+   stream ends with a `data: {"error": ...}` event. A stream that does not end cleanly (error, client
+   disconnect) aborts the room on both sides.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +38,13 @@ from router import reqlog, spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
+from router.migration import StreamLedger, migratable, with_token_ids
 from router.policies import Policy
 from router.protocol import ProxyRequest, error_body, error_of, fault_of, merge_input_logprobs, sse_event
 from router.registry import Lease, Registry, Worker
 from router.sse import ERROR_KEY, SSEReader, event_json, is_done
+
+DONE_EVENT = b"data: [DONE]\n\n"
 
 Disconnected = Callable[[], Awaitable[None]]
 WATCH_AFTER_S = 0.05  # a client disconnect is noticed at most this much later than it happened
@@ -85,6 +93,16 @@ class AttemptFailed(Exception):
 
 
 @dataclass
+class _Leg:
+    """How relaying one decode's stream ended."""
+
+    outcome: str = "client_disconnect"  # "200", "stream_error" (an error event was relayed)
+    failure: str = ""  # the decode failed (its stream may be migrated): what happened
+    detail: str = ""  # for the worker's failure record
+    events: int = 0  # events relayed (for the stream span and the request log)
+
+
+@dataclass
 class StreamStart:
     response: Response | HttpxResponse
     reader: SSEReader
@@ -121,6 +139,7 @@ class Proxy:
         worker_wait_s: float = 0.0,
         retry_after_s: int = 1,
         request_log: bool = False,
+        migration_limit: int = 0,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -130,6 +149,7 @@ class Proxy:
         self.worker_wait_s = worker_wait_s  # how long a request waits for an eligible worker of a role
         self.retry_after_s = retry_after_s  # Retry-After of the 503 when none came
         self.request_log = request_log  # a JSON line per finished stream (router.reqlog)
+        self.migration_limit = migration_limit  # times one stream may move to another pair mid-stream
         self._background: set[asyncio.Task] = set()
 
     # ---- public API -------------------------------------------------------------------------------
@@ -144,6 +164,8 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         """Start a streaming request; returns the SSE byte iterator once decode's first event arrived."""
         t0 = time.monotonic()
+        if migratable(req, self.migration_limit):
+            req = with_token_ids(req)
         start, p, d, room = await self._with_retries(
             req, lambda p, d, room, tp: self._attempt_stream(req, p, d, room, tp, disconnected)
         )
@@ -164,8 +186,8 @@ class Proxy:
         fresh = [w for w in eligible if w.url not in tried]
         return self.policies[role].pick(fresh or eligible, prefix)
 
-    async def _with_retries(self, req: ProxyRequest, attempt):
-        tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+    async def _with_retries(self, req: ProxyRequest, attempt, avoid_decode: str = ""):
+        tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}}
         last: AttemptFailed | None = None
         for n in range(self.max_retries + 1):
             if n:
@@ -352,60 +374,95 @@ class Proxy:
     async def _relay(
         self, req: ProxyRequest, start: StreamStart, p: Worker, d: Worker, room: int, t0: float
     ) -> AsyncIterator[bytes]:
-        """Yield decode's events as they come, every event that arrived together in one chunk. Events
-        pass as bytes: only `[DONE]` and error events are recognised (sse.is_done, sse.may_be_error)."""
+        """Relay decode's stream; when the decode fails mid-stream, migrate the request to another
+        pair (router/migration.py) and relay that stream on, or end with an error event."""
         outcome = "client_disconnect"
-        last = time.monotonic()
-        self.metrics.ttft.observe(last - t0)
+        self.metrics.ttft.observe(time.monotonic() - t0)
         span = None if req.trace is None else spans.stream_span(req.trace, d.url)
         n_events = 0  # counted for the span and the request log
-        itl = self.metrics.itl.observe
-        reader = start.reader
+        ledger = StreamLedger(start.first, self.migration_limit) if migratable(req, self.migration_limit) else None
         try:
-            events: list[bytes] | None = [start.first]
-            while events is not None:
-                done = False
-                for i, raw in enumerate(events):
-                    if ERROR_KEY in raw and error_of(event_json(raw)) is not None:
-                        outcome = "stream_error"
-                    if len(raw) < 24 and is_done(raw):
-                        done = True
-                        del events[i + 1 :]
-                        break
-                n_events += len(events)
-                yield events[0] + b"\n\n" if len(events) == 1 else b"\n\n".join(events) + b"\n\n"
-                if done:
-                    break
+            while True:
+                outcome, leg = "client_disconnect", _Leg()
                 try:
-                    events = await reader.next_events()
-                except TRANSPORT_ERRORS as e:
-                    self.registry.record_failure(d, repr(e))
-                    outcome = "stream_error"
-                    yield sse_event(
-                        error_body(f"decode worker {d.url} failed mid-stream: {type(e).__name__}", 502)
+                    async with aclosing(self._relay_leg(start, ledger, leg)) as events:
+                        async for out in events:
+                            yield out
+                finally:
+                    start.lease.release()
+                    start.response.close()
+                    if leg.outcome != "200":
+                        self._abort_both(p, d, room)
+                outcome, n_events = leg.outcome, n_events + leg.events
+                if not leg.failure:
+                    break
+                outcome = "stream_error"
+                self.registry.record_failure(d, leg.detail)
+                failed = f"decode worker {d.url} failed mid-stream: {leg.failure}"
+                if ledger is None or not ledger.can_migrate():
+                    yield sse_event(error_body(failed, 502)) + DONE_EVENT
+                    break
+                resumed = ledger.resumed(req)
+                self.metrics.migrations.inc()
+                try:
+                    start, p, d, room = await self._with_retries(
+                        resumed, lambda p, d, room, tp, r=resumed: self._attempt_stream(r, p, d, room, tp, None), d.url
                     )
-                    yield b"data: [DONE]\n\n"
-                    return
-                now = time.monotonic()
-                if events is not None:
-                    itl(now - last)
-                    for _ in range(len(events) - 1):
-                        itl(0.0)  # events that arrived in the same chunk
-                last = now
-            if outcome == "client_disconnect":
-                outcome = "200"
+                except ProxyError as e:
+                    yield sse_event(error_body(f"{failed}; migration failed: {e.message}", e.status)) + DONE_EVENT
+                    break
         finally:
-            start.lease.release()
-            if outcome != "200":
-                self._abort_both(p, d, room)
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
-            start.response.close()
             if self.request_log:
                 reqlog.finished(req.endpoint, outcome, time.monotonic() - t0, req.trace, stream=True,
                                 prefill=p.url, decode=d.url, room=room, events=n_events)
             if span is not None:
                 spans.end_stream(span, req.trace, outcome, n_events)
+
+    async def _relay_leg(self, start: StreamStart, ledger: StreamLedger | None, leg: _Leg) -> AsyncIterator[bytes]:
+        """Yield one decode's events as they come, every event that arrived together in one chunk. Events
+        pass as bytes: only `[DONE]` and error events are recognised (sse.is_done, sse.may_be_error);
+        with a ledger, token ids are read and stripped. A decode failure ends the leg with `leg.failure`."""
+        last = time.monotonic()
+        itl = self.metrics.itl.observe
+        events: list[bytes] | None = [start.first]
+        while events is not None:
+            out: list[bytes] = []
+            done = False
+            for raw in events:
+                if ledger is not None:
+                    raw = ledger.take(raw)
+                if ERROR_KEY in raw and (err := error_of(event_json(raw))) is not None:
+                    if ledger is not None and err[0] >= 500 and ledger.can_migrate():
+                        leg.failure, leg.detail = f"error {err[0]}", err[1]
+                        break
+                    leg.outcome = "stream_error"
+                out.append(raw)
+                if len(raw) < 24 and is_done(raw):
+                    done = True
+                    break
+            if out:
+                leg.events += len(out)
+                yield out[0] + b"\n\n" if len(out) == 1 else b"\n\n".join(out) + b"\n\n"
+            if done or leg.failure:
+                break
+            try:
+                events = await start.reader.next_events()
+            except TRANSPORT_ERRORS as e:
+                leg.failure, leg.detail = type(e).__name__, repr(e)
+                return
+            now = time.monotonic()
+            if events is not None:
+                itl(now - last)
+                for _ in range(len(events) - 1):
+                    itl(0.0)  # events that arrived in the same chunk
+            elif ledger is not None and not ledger.finished:
+                leg.failure = leg.detail = "stream ended before [DONE]"
+                return
+            last = now
+        if not leg.failure and leg.outcome == "client_disconnect":
+            leg.outcome = "200"
 
 
 def _close_started_stream(task: asyncio.Task) -> None:

@@ -4,8 +4,8 @@ events that matter to the relay without decoding the others, and decode one when
 Hot path: `SSEReader` splits chunks on blank lines; `is_done` and `may_be_error` look at bytes only
 (`[DONE]` is a short event; an error event is a JSON object with an `"error"` key, so its bytes hold
 `"error"`). Only an event that may be an error is decoded (`event_json`), so a token event costs a
-substring scan. A later reader of each event's content (e.g. token ids for mid-stream migration)
-hooks in at `Proxy._relay`, where each raw event passes once.
+substring scan. A reader of each event's content (the token ids of mid-stream migration,
+router/migration.py) hooks in at `Proxy._relay_leg`, where each raw event passes once.
 """
 
 from __future__ import annotations

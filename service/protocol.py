@@ -11,6 +11,11 @@ socket, so it is unit-tested directly. Response bodies are built in `service/fro
 
 PD wire format: the router adds `bootstrap_host`, `bootstrap_port`, `bootstrap_room` to the body it
 posts to both prefill and decode. They are required on prefill/decode roles, ignored on colocated.
+
+Mid-stream migration (completions and chat; internal fields of the router, common/http.py):
+`pd_token_ids: true` asks for each stream event's token ids; `pd_resume: {"output_ids", "id",
+"created"}` continues a stream another decode began: the prompt is the request's prompt plus
+`output_ids`, max tokens shrink by their count, and the answer keeps the stream's id and created.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from common.http import RESUME_KEY, TOKEN_IDS_KEY
 from engine.sampling_params import SamplingParams
 from service.messages import AbortReq, GenerateReq
 
@@ -63,6 +69,51 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    token_ids: bool = False  # stream events carry their token ids (TOKEN_IDS_KEY), for the router
+    resumed: list[int] = dataclasses.field(default_factory=list)  # output ids another decode streamed
+    response_id: str = ""  # the id of the stream this request continues ("" = from the rid)
+
+
+@dataclass(frozen=True)
+class Resume:
+    output_ids: list[int]
+    response_id: str
+    created: int | None
+
+
+def _resume(body: dict[str, Any], limits: Limits) -> Resume | None:
+    raw = body.get(RESUME_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RequestError(f"'{RESUME_KEY}' must be an object")
+    ids = _check_ids(raw.get("output_ids"), limits, f"'{RESUME_KEY}.output_ids'")
+    rid, created = raw.get("id", ""), raw.get("created")
+    if not isinstance(rid, str) or not (created is None or _is_int(created)):
+        raise RequestError(f"'{RESUME_KEY}': 'id' must be a string, 'created' an integer")
+    return Resume(ids, rid, created)
+
+
+def _resumed(body: dict[str, Any], ids: list[int], sampling: dict[str, Any],
+             limits: Limits) -> tuple[list[int], Resume | None]:
+    """Prompt ids and sampling of a resumed stream: prompt + output so far, the rest of the budget."""
+    resume = _resume(body, limits)
+    if resume is None:
+        return ids, None
+    budget = sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if _is_int(budget):
+        if budget <= len(resume.output_ids):
+            raise RequestError(f"'{RESUME_KEY}' holds {len(resume.output_ids)} tokens: nothing left of "
+                               f"max tokens {budget}")
+        sampling["max_new_tokens"] = budget - len(resume.output_ids)
+    return ids + resume.output_ids, resume
+
+
+def _apply_resume(parsed: ParsedRequest, resume: Resume | None) -> None:
+    if resume is not None:
+        parsed.resumed, parsed.response_id = list(resume.output_ids), resume.response_id
+        if resume.created is not None:
+            parsed.created = resume.created
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -164,7 +215,8 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
     req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream,
                       return_logprob=logprobs, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
     return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
-                         skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs)
+                         skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
+                         token_ids=body.get(TOKEN_IDS_KEY) is True)
 
 
 def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
@@ -253,9 +305,12 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     if lp is not None and not 0 <= lp <= 5:
         raise RequestError("'logprobs' must be in 0..5")
     stream, include_usage = _stream_opts(body)
-    sp = _sampling(_openai_sampling_raw(body, ("max_tokens",)), len(ids), limits)
+    raw = _openai_sampling_raw(body, ("max_tokens",))
+    ids, resume = _resumed(body, ids, raw, limits)
+    sp = _sampling(raw, len(ids), limits)
     parsed = _make("completion", body, ids, sp, limits, stream, lp is not None)
     parsed.include_usage = include_usage
+    _apply_resume(parsed, resume)
     return parsed
 
 
@@ -310,9 +365,12 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
         ids = tok.apply_chat_template(messages)
     except ChatTemplateError as e:
         raise RequestError(str(e)) from e
-    sp = _sampling(_openai_sampling_raw(body, ("max_completion_tokens", "max_tokens")), len(ids), limits)
+    raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens"))
+    ids, resume = _resumed(body, ids, raw, limits)
+    sp = _sampling(raw, len(ids), limits)
     parsed = _make("chat", body, ids, sp, limits, stream, logprobs)
     parsed.include_usage = include_usage
+    _apply_resume(parsed, resume)
     return parsed
 
 

@@ -5,6 +5,10 @@ Streaming conventions:
   /generate              each chunk carries the cumulative `text` and `output_ids` (SGLang style)
   /v1/completions, chat  each chunk carries only the new text (OpenAI deltas)
 Every stream ends with `data: [DONE]`; an error mid-stream is `data: {"error": {...}}` first.
+For the router (ParsedRequest.token_ids) each completions/chat event with tokens ends with
+`"pd_token_ids": [...]`: the ids consumed since the previous event. A resumed stream
+(ParsedRequest.resumed) primes the detokenizer with the ids already streamed, so its text continues
+exactly where the first decode's stopped; usage counts those ids as output, not prompt.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import time
 from typing import Any
 
+from common.http import TOKEN_IDS_KEY
 from service.messages import TokenOut
 from service.protocol import ParsedRequest
 from service.tokenizer import TextStream, Tokenizer
@@ -35,6 +40,10 @@ class RequestTracker:
         self.logprobs: list[float] = []
         self.input_logprobs: list[float] = []
         self.pending_lp: list[tuple[int, float]] = []  # (id, logprob) not yet sent in a chunk
+        self.pending_ids: list[int] = []  # ids not yet sent in a chunk (parsed.token_ids)
+        self.resumed = len(parsed.resumed)
+        if parsed.resumed:
+            self.text.push(parsed.resumed)  # already shown by the stream this one continues
         self.t_arrival = t_arrival
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -46,7 +55,7 @@ class RequestTracker:
         self.error: str | None = None
         self.error_code = 0
         self.fault = ""  # PD role to blame for the error when it was the peer's (see TokenOut.fault)
-        self.prompt_tokens = len(parsed.req.input_ids)
+        self.prompt_tokens = len(parsed.req.input_ids) - self.resumed
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.span: Any = None  # this request's frontend span while tracing is on (common.tracing)
@@ -65,6 +74,7 @@ class RequestTracker:
                 self.itls.append((now - self.t_last) / len(out.new_token_ids))
             self.t_last = now
         self.output_ids += out.new_token_ids
+        self.pending_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.pending_lp += list(zip(out.new_token_ids, out.new_logprobs))
         if out.input_logprobs:
@@ -75,8 +85,8 @@ class RequestTracker:
             self.finish_reason = out.finish_reason or "stop"
             self.matched_stop = out.matched_stop
             self.error, self.error_code, self.fault = out.error, out.error_code, out.fault
-            self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-            self.completion_tokens = out.completion_tokens or len(self.output_ids)
+            self.prompt_tokens = out.prompt_tokens - self.resumed if out.prompt_tokens else self.prompt_tokens
+            self.completion_tokens = (out.completion_tokens or len(self.output_ids)) + self.resumed
             self.cached_tokens = out.cached_tokens
             delta += self.text.finish(out.matched_stop)
         return delta
@@ -157,7 +167,8 @@ def _chat_logprobs(tr: RequestTracker, pairs: list[tuple[int, float]]) -> dict[s
 
 def _head(tr: RequestTracker, obj: str) -> dict[str, Any]:
     prefix = "chatcmpl-" if tr.parsed.kind == "chat" else "cmpl-"
-    return {"id": prefix + tr.rid, "object": obj, "created": tr.parsed.created, "model": tr.parsed.model}
+    return {"id": tr.parsed.response_id or prefix + tr.rid, "object": obj, "created": tr.parsed.created,
+            "model": tr.parsed.model}
 
 
 def openai_body(tr: RequestTracker) -> dict[str, Any]:
@@ -190,7 +201,7 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         tr.take_logprobs()
         return [sse(native_body(tr))]
     out: list[bytes] = []
-    if kind == "chat" and first:
+    if kind == "chat" and first and not tr.resumed:
         head = _head(tr, "chat.completion.chunk")
         head["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}]
@@ -208,6 +219,8 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
                   "logprobs": _completion_logprobs(tr, pairs) if pairs else None}
     choice["finish_reason"] = _openai_finish(tr)
     body["choices"] = [choice]
+    if tr.parsed.token_ids:
+        body[TOKEN_IDS_KEY], tr.pending_ids = tr.pending_ids, []
     out.append(sse(body))
     if tr.finished and tr.parsed.include_usage:
         usage = _head(tr, "chat.completion.chunk" if kind == "chat" else "text_completion")

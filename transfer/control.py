@@ -4,8 +4,12 @@ ControlRouter  binds (prefill: bootstrap server and control endpoint); replies b
 ControlDealer  connects (decode: one to each prefill's bootstrap server and control endpoint).
 
 Both stamp the configured cluster token on every message they send and mark every message they
-receive as authorized or not (constant-time compare). Undecodable frames are logged and dropped.
-All sockets have LINGER 0, so close() never waits for an unreachable peer.
+receive as authorized or not (constant-time compare). A frame that does not decode (random bytes,
+truncated msgpack, an ill-typed field), has another message version or comes with the wrong
+number of frames is dropped and counted in the side's `Dropped` (the sides count what they refuse
+after decoding: a wrong cluster token, a message the socket does not take). A frame over
+MAX_FRAME_BYTES closes the sender's connection inside libzmq. All sockets have LINGER 0, so
+close() never waits for an unreachable peer.
 """
 
 from __future__ import annotations
@@ -17,9 +21,28 @@ from typing import Any
 
 import zmq
 
+from common.codec import VersionError
 from transfer import messages
 
 log = logging.getLogger(__name__)
+MAX_FRAME_BYTES = 64 << 20  # a TransferInfo for a million pages is ~5 MB
+
+
+class Dropped:
+    """Control messages dropped, by reason; exported as transfer stats `control_dropped{reason}`.
+
+    undecodable: not a message (random bytes, truncated msgpack, unknown type, bad field);
+    version: a message of another protocol version; frames: a multipart of the wrong shape;
+    unauthorized: missing or wrong cluster token; unexpected: a type this socket does not take."""
+
+    REASONS = ("undecodable", "version", "frames", "unauthorized", "unexpected")
+
+    def __init__(self) -> None:
+        self.counts = dict.fromkeys(self.REASONS, 0)
+
+    def add(self, reason: str, what: str) -> None:
+        self.counts[reason] += 1
+        log.warning("dropped control message (%s): %s", reason, what)
 
 
 def bind_host(advertise_host: str) -> str:
@@ -38,18 +61,28 @@ def _authorized(msg: Any, token: str | None) -> bool:
     return isinstance(got, str) and hmac.compare_digest(got.encode(), token.encode())
 
 
-def _decode(frame: bytes) -> Any | None:
+def _decode(frame: bytes, dropped: Dropped) -> Any | None:
     try:
         return messages.decode(frame)
+    except VersionError as e:
+        dropped.add("version", str(e))
     except ValueError as e:
-        log.warning("dropping control message: %s", e)
-        return None
+        dropped.add("undecodable", str(e)[:200])
+    return None
+
+
+def _socket(zctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = zctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    return sock
 
 
 class ControlRouter:
-    def __init__(self, zctx: zmq.Context, advertise_host: str, port: int, token: str | None) -> None:
-        self.sock = zctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+    def __init__(self, zctx: zmq.Context, advertise_host: str, port: int, token: str | None,
+                 dropped: Dropped) -> None:
+        self.sock = _socket(zctx, zmq.ROUTER)
+        self.dropped = dropped
         host = bind_host(advertise_host)
         try:
             if port == 0:
@@ -76,9 +109,9 @@ class ControlRouter:
             except zmq.Again:
                 return out
             if len(frames) != 2:
-                log.warning("dropping control message with %d frames", len(frames))
+                self.dropped.add("frames", f"{len(frames) - 1} frames after the identity")
                 continue
-            msg = _decode(frames[1])
+            msg = _decode(frames[1], self.dropped)
             if msg is not None:
                 out.append((frames[0], msg, _authorized(msg, self._token)))
 
@@ -87,9 +120,10 @@ class ControlRouter:
 
 
 class ControlDealer:
-    def __init__(self, zctx: zmq.Context, endpoint: str, identity: bytes, token: str | None) -> None:
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+    def __init__(self, zctx: zmq.Context, endpoint: str, identity: bytes, token: str | None,
+                 dropped: Dropped) -> None:
+        self.sock = _socket(zctx, zmq.DEALER)
+        self.dropped = dropped
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.connect(endpoint)
         self.endpoint = endpoint
@@ -106,10 +140,13 @@ class ControlDealer:
         out = []
         while True:
             try:
-                frame = self.sock.recv(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            msg = _decode(frame)
+            if len(frames) != 1:
+                self.dropped.add("frames", f"{len(frames)} frames")
+                continue
+            msg = _decode(frames[0], self.dropped)
             if msg is not None:
                 out.append((msg, _authorized(msg, self._token)))
 

@@ -26,7 +26,7 @@ import zmq
 
 from transfer.backend import DataBackend, Handle
 from transfer.config import CompatInfo, TransferConfig
-from transfer.control import ControlDealer
+from transfer.control import ControlDealer, Dropped
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -67,6 +67,11 @@ class _Peer:
             self.ctrl.close()
 
 
+def _valid_segments(segments: list) -> bool:
+    return all(isinstance(s, list) and len(s) == 2 and isinstance(s[0], int) and isinstance(s[1], list)
+               and all(isinstance(p, int) for p in s[1]) for s in segments)
+
+
 def _parse_addr(addr: str) -> str:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -81,6 +86,7 @@ class DecodeSide:
         self.backend, self.pages, self.compat = backend, pages, compat
         self.receivers: dict[int, KVReceiver] = {}
         self.peers: dict[str, _Peer] = {}
+        self.dropped = Dropped()
         self.dead_slots: dict[int, float] = {}  # slot -> quarantine end
         self.draining: list[Handle] = []
         self._next_slot = random.randrange(1, 1 << 31)
@@ -124,8 +130,8 @@ class DecodeSide:
         peer = self.peers.get(addr)
         if peer is None:
             ident = f"{self.engine_id}:boot".encode()
-            peer = _Peer(addr, ControlDealer(self.zctx, endpoint, ident, self.cfg.cluster_token),
-                         time.monotonic())
+            peer = _Peer(addr, ControlDealer(self.zctx, endpoint, ident, self.cfg.cluster_token,
+                                             self.dropped), time.monotonic())
             peer.boot.send(BootstrapQuery(self.engine_id))
             self.peers[addr] = peer
         return peer
@@ -147,21 +153,28 @@ class DecodeSide:
                 continue
             for msg, ok in peer.ctrl.recv_all():
                 if not ok:
-                    log.warning("refused %s from %s: bad cluster token", type(msg).__name__, peer.addr)
+                    self.dropped.add("unauthorized", f"{type(msg).__name__} from {peer.addr}")
                     continue
                 peer.last_seen = time.monotonic()
                 self._dispatch(peer, msg)
 
     def _on_boot(self, peer: _Peer, msg: Any, ok: bool) -> None:
-        if isinstance(msg, Abort):  # the bootstrap server refused us
+        if isinstance(msg, Abort) and (ok or msg.code == ErrorCode.UNAUTHORIZED):
+            # the bootstrap server refused us (a refusal for a wrong token carries the server's token)
             self._fail_peer(peer, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_
                             else ErrorCode.ABORTED, f"prefill {peer.addr}: {msg.reason}")
             return
-        if not ok or not isinstance(msg, PrefillRegistration) or peer.ctrl is not None:
+        if not ok:
+            self.dropped.add("unauthorized", f"{type(msg).__name__} from {peer.addr}'s bootstrap server")
+            return
+        if not isinstance(msg, PrefillRegistration):
+            self.dropped.add("unexpected", f"{type(msg).__name__} from {peer.addr}'s bootstrap server")
+            return
+        if peer.ctrl is not None:
             return
         peer.last_seen = time.monotonic()
         peer.ctrl = ControlDealer(self.zctx, msg.control_endpoint, self.engine_id.encode(),
-                                  self.cfg.cluster_token)
+                                  self.cfg.cluster_token, self.dropped)
         for pending in peer.pending:
             peer.ctrl.send(pending)
         peer.pending.clear()
@@ -173,6 +186,8 @@ class DecodeSide:
         if isinstance(msg, TransferStatus) and recv is not None:
             if msg.state == KVPoll.WAITING_FOR_INPUT:
                 recv.on_ack()
+        elif isinstance(msg, ChunkManifest) and not _valid_segments(msg.segments):
+            self.dropped.add("undecodable", f"ChunkManifest of room {msg.room}: segments not [[seq, [pos]]]")
         elif isinstance(msg, ChunkManifest) and recv is not None:
             recv.on_manifest(msg.segments, msg.total_pages, msg.is_last, msg.metadata)
         elif isinstance(msg, Abort):
@@ -180,6 +195,8 @@ class DecodeSide:
             if recv is not None:
                 code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
                 recv.fail(code, f"aborted by prefill: {msg.reason}", peer_fault=True)
+        elif isinstance(msg, BootstrapQuery | TransferInfo | PrefillRegistration):
+            self.dropped.add("unexpected", f"{type(msg).__name__} from {peer.addr}")
 
     def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
         recv = self.receivers.get(room)
@@ -251,7 +268,8 @@ class DecodeSide:
         return {"receivers": len(self.receivers),
                 "pending_recvs": sum(r.pending() for r in self.receivers.values()),
                 "staging_bytes": sum(r.staging_bytes() for r in self.receivers.values()),
-                "draining": len(self.draining), "peers": len(self.peers)}
+                "draining": len(self.draining), "peers": len(self.peers),
+                "control_dropped": dict(self.dropped.counts)}
 
     def close(self) -> None:
         for peer in self.peers.values():

@@ -23,7 +23,7 @@ import zmq
 
 from transfer.backend import DataBackend, Handle
 from transfer.config import CompatInfo, TransferConfig
-from transfer.control import ControlRouter
+from transfer.control import ControlRouter, Dropped
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -45,9 +45,11 @@ class PrefillSide:
                  pages: torch.Tensor, compat: CompatInfo) -> None:
         self.cfg, self.backend, self.pages, self.compat = cfg, backend, pages, compat
         self._hash = compat.digest()
-        self.bootstrap = ControlRouter(zctx, cfg.advertise_host, cfg.bootstrap_port, cfg.cluster_token)
+        self.dropped = Dropped()
+        self.bootstrap = ControlRouter(zctx, cfg.advertise_host, cfg.bootstrap_port, cfg.cluster_token,
+                                       self.dropped)
         try:
-            self.control = ControlRouter(zctx, cfg.advertise_host, 0, cfg.cluster_token)
+            self.control = ControlRouter(zctx, cfg.advertise_host, 0, cfg.cluster_token, self.dropped)
         except ValueError:
             self.bootstrap.close()
             raise
@@ -84,8 +86,10 @@ class PrefillSide:
     def handle_messages(self) -> None:
         for identity, msg, ok in self.bootstrap.recv_all():
             if not isinstance(msg, BootstrapQuery):
+                self.dropped.add("unexpected", f"{type(msg).__name__} on the bootstrap server")
                 continue
             if not ok:
+                self.dropped.add("unauthorized", "BootstrapQuery")
                 self.bootstrap.send(identity, Abort(0, "bootstrap refused: missing or wrong cluster token",
                                                     ErrorCode.UNAUTHORIZED))
                 continue
@@ -93,7 +97,7 @@ class PrefillSide:
                 k: getattr(self.registration, k) for k in ("engine_id", "control_endpoint", "ucx_address")}))
         for identity, msg, ok in self.control.recv_all():
             if not ok:
-                log.warning("refused %s without a valid cluster token", type(msg).__name__)
+                self.dropped.add("unauthorized", type(msg).__name__)
                 if isinstance(msg, TransferInfo):
                     self.control.send(identity, Abort(msg.room, "refused: missing or wrong cluster token",
                                                       ErrorCode.UNAUTHORIZED))
@@ -114,6 +118,8 @@ class PrefillSide:
             self.aborts_unacked.pop(msg.room, None)
         elif isinstance(msg, Heartbeat):
             self.control.send(identity, Heartbeat(self.registration.engine_id, msg.seq))
+        elif not isinstance(msg, TransferStatus):
+            self.dropped.add("unexpected", f"{type(msg).__name__} on the control endpoint")
 
     def _on_transfer_info(self, identity: bytes, info: TransferInfo) -> None:
         room = info.room
@@ -226,7 +232,8 @@ class PrefillSide:
     def stats(self) -> dict[str, int]:
         return {"senders": len(self.senders), "early_infos": len(self.early),
                 "pending_sends": sum(s.pending() for s in self.senders.values()),
-                "draining": len(self.draining), "peers": len(self.peers)}
+                "draining": len(self.draining), "peers": len(self.peers),
+                "control_dropped": dict(self.dropped.counts)}
 
     def close(self) -> None:
         self.bootstrap.close()

@@ -9,8 +9,9 @@ its room done (GET /_room/{room}); a decode polls the prefill named by `bootstra
 
 Test controls: POST /_control {"mode": ok|fail|hang|die|die_midstream|unhealthy}, GET /_state (rooms
 seen, rooms aborted). `die` exits the process on the next request, `die_midstream` after 2 streamed
-tokens; `hang` waits until the room is aborted; `fail` answers 500. A request with max_tokens > 1000
-gets a 400 (a client error the router must relay).
+tokens (a stream resumed past them, `pd_resume`, goes on); `hang` waits until the room is aborted;
+`fail` answers 500. A request with max_tokens > 1000 gets a 400 (a client error the router must relay).
+With `pd_token_ids` each stream event ends with its word's id; `pd_resume` continues after its ids.
 """
 
 from __future__ import annotations
@@ -64,9 +65,13 @@ def _prompt_and_max(path: str, body: dict) -> tuple[str, int]:
     return json.dumps(prompt), int(body.get("max_tokens") or 16)
 
 
-def words(prompt: str, n: int) -> list[str]:
+def word_ids(prompt: str, n: int) -> list[int]:
     h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big")
-    return [f"w{(h + 7 * i) % 997}" for i in range(n)]
+    return [(h + 7 * i) % 997 for i in range(n)]
+
+
+def words(prompt: str, n: int) -> list[str]:
+    return [f"w{i}" for i in word_ids(prompt, n)]
 
 
 def _chunk(path: str, piece: str, text_so_far: str, finish: str | None, n_prompt: int) -> dict:
@@ -214,20 +219,27 @@ def _handler(st: Stub, path: str):
         if not body.get("stream"):
             await asyncio.sleep(st.token_delay * n_out)
             return JSONResponse(_full(path, " ".join(toks), n_prompt, n_out, [] if input_lp else None))
-        return StreamingResponse(_stream(st, path, toks, n_prompt), media_type="text/event-stream")
+        resume = body.get("pd_resume") or {}  # migration: continue after these ids, with this stream id
+        ids = word_ids(prompt, n_out) if body.get("pd_token_ids") else None
+        return StreamingResponse(_stream(st, path, toks, n_prompt, ids, resume), media_type="text/event-stream")
 
     return handle
 
 
-async def _stream(st: Stub, path: str, toks: list[str], n_prompt: int):
+async def _stream(st: Stub, path: str, toks: list[str], n_prompt: int, ids: list[int] | None, resume: dict):
     text = ""
-    for i, tok in enumerate(toks):
-        if st.mode == "die_midstream" and i == 2:
+    for i in range(len(resume.get("output_ids", [])), len(toks)):
+        if st.mode == "die_midstream" and i == 2 and not resume:
             os._exit(1)
-        piece = tok if i == 0 else " " + tok
+        piece = toks[i] if i == 0 else " " + toks[i]
         text += piece
         finish = "length" if i == len(toks) - 1 else None
-        yield f"data: {json.dumps(_chunk(path, piece, text, finish, n_prompt))}\n\n"
+        chunk = _chunk(path, piece, text, finish, n_prompt)
+        if resume.get("id"):
+            chunk["id"] = resume["id"]
+        if ids is not None:
+            chunk["pd_token_ids"] = [ids[i]]  # last, as the services put it
+        yield f"data: {json.dumps(chunk)}\n\n"
         await asyncio.sleep(st.token_delay)
     yield "data: [DONE]\n\n"
 

@@ -1,7 +1,8 @@
 """Acceptance 2: a prefill killed (SIGKILL) during 50 concurrent requests. Every request completes
 (retried on the other prefill) or ends with a clean error, none hangs; the dead prefill is ejected and
-re-admitted once restarted on the same port. Also: a decode dying mid-stream ends the stream with an
-error event and the room is aborted on the prefill."""
+re-admitted once restarted on the same port. Also: a decode dying mid-stream ends a /generate stream
+with an error event and the room is aborted on the prefill; a completions stream migrates to the other
+decode and continues, or ends with a clean error event when no decode is left."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def cluster():
         "d0": start_stub("decode", token_delay=0.02),
         "d1": start_stub("decode", token_delay=0.02),
     }
-    args = ["--request-timeout", "10", "--max-retries", "2", "--health-failures", "2"]
+    args = ["--request-timeout", "10", "--max-retries", "2", "--health-failures", "2", "--worker-wait", "2"]
     for name in ("p0", "p1"):
         args += ["--prefill", procs[name].url]
     for name in ("d0", "d1"):
@@ -125,3 +126,50 @@ def test_decode_dying_mid_stream_ends_with_error_event(cluster):
     wait_for(lambda: httpx.get(url + "/health").status_code == 200, 10, "router healthy again")
     r = httpx.post(url + "/generate", json={"text": "still fine", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200
+
+
+def _revive(cluster: dict, name: str) -> None:
+    if not cluster[name].alive():
+        port = int(cluster[name].url.rsplit(":", 1)[1])
+        cluster[name].stop()
+        cluster[name] = start_stub("decode", port=port, token_delay=0.02)
+        cluster[name].wait_healthy(30)
+    control(cluster[name], "ok")
+
+
+def _sse(url: str, body: dict) -> list:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def _migrations(url: str) -> float:
+    line = next(ln for ln in httpx.get(url + "/metrics").text.splitlines()
+                if ln.startswith("pdserve_router_migrations_total "))
+    return float(line.split()[1])
+
+
+def test_completions_stream_migrates_when_its_decode_dies(cluster):
+    url = cluster["router"].url
+    for name in ("d0", "d1"):
+        _revive(cluster, name)
+    wait_for(lambda: all(_workers(url)[cluster[n].url]["eligible"] for n in ("d0", "d1")), 10, "decodes eligible")
+    body = {"prompt": "migrate me", "max_tokens": 8, "stream": True}
+    reference = _sse(url, body)
+    before = _migrations(url)
+    for name in ("d0", "d1"):  # whichever decode gets the stream dies after 2 tokens; a resumed stream lives
+        control(cluster[name], "die_midstream")
+    migrated = _sse(url, body)
+    text = "".join(e["choices"][0]["text"] for e in migrated)
+    assert text == "".join(e["choices"][0]["text"] for e in reference) and len(text.split()) == 8
+    assert len({e["id"] for e in migrated}) == 1 and not any("pd_token_ids" in e for e in migrated)
+    assert _migrations(url) == before + 1
+    # the survivor dies mid-stream too: no decode is left, the client gets a clean error event
+    wait_for(lambda: sum(not cluster[n].alive() for n in ("d0", "d1")) == 1, 10, "one decode dead")
+    wait_for(lambda: sum(w["eligible"] for w in _workers(url).values() if w["role"] == "decode") == 1, 10,
+             "the dead decode ejected")
+    events = _sse(url, {**body, "prompt": "no decode left"})
+    assert len(events) == 3 and all(e.get("choices") for e in events[:2])  # 2 tokens, then the error
+    assert "migration failed" in events[-1]["error"]["message"]
+    for name in ("d0", "d1"):
+        _revive(cluster, name)

@@ -1,6 +1,8 @@
 """Acceptance 1: the `openai` client (chat and completions, streaming and not) through the router to
 2 prefill + 2 decode real services (started by `pdserve up`, UCX transfer, embedded model) gets the
-same greedy output as the colocated service.
+same greedy output as the colocated service. Then mid-stream migration (issue 17): a decode killed
+(-9) while it streams a chat and a completions answer; both streams continue on the other decode and
+equal an unfailed run token for token, with one response id each, and every pool is back to 0.
 
 The same services export traces to an OTLP/HTTP collector in this test and log JSON lines
 (`pdserve up --otlp-endpoint ... --log-format json`), for issue 18 (tests at the end of the module):
@@ -14,9 +16,12 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,6 +30,8 @@ import pytest
 from otlp_collector import Collector, render_tree
 from pd_harness import read_sse
 from router_harness import ROOT, Proc, free_port, wait_for
+
+from common.http import TOKEN_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +99,7 @@ def stack(tmp_path_factory):
         colo.wait_healthy(600)
         children = {m.group(1): (m.group(2), m.group(3)) for ln in out if (m := STARTED.match(ln.strip()))}
         yield {"router": f"http://127.0.0.1:{router_port}", "colo": colo.url, "children": children,
-               "collector": collector}
+               "collector": collector, "up_out": "".join(out), "logs": logs}
     finally:
         up.send_signal(2)
         try:
@@ -261,5 +268,80 @@ def test_dashboard_queries_name_exported_metrics(stack, traced) -> None:
         if used - exported:
             missing[e] = sorted(used - exported)
     assert not missing, missing
-    for signal in ("pdserve_worker_queued_prompt_tokens", "pdserve_worker_kv_usage", "pdserve_worker_running_requests"):
-        assert signal in exported, f"autoscaling signal {signal} not exported"
+    for metric in ("pdserve_worker_queued_prompt_tokens", "pdserve_worker_kv_usage", "pdserve_worker_running_requests"):
+        assert metric in exported, f"autoscaling metric {metric} not exported"
+
+
+# ---- issue 17: mid-stream migration ------------------------------------------------------------
+MIGRATE_TOKENS = 24
+MIGRATE_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]},
+    "/v1/completions": {"prompt": "The history of the Roman empire begins"},
+}
+
+
+def _sse(url: str, path: str, on_token=None) -> list[dict]:  # noqa: ANN001
+    body = {**MIGRATE_BODIES[path], "model": "x", "max_tokens": MIGRATE_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events: list[dict] = []
+    with httpx.Client(timeout=300) as c, c.stream("POST", url + path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+                if on_token is not None and events[-1].get("choices"):
+                    on_token()
+    return events
+
+
+def _text(events: list[dict]) -> str:
+    out = ""
+    for e in events:
+        for ch in e.get("choices") or []:
+            out += ch["text"] if "text" in ch else ch["delta"].get("content") or ""
+    return out
+
+
+def _admin(url: str) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(url + "/admin/workers").json()["workers"]}
+
+
+def test_streams_migrate_off_a_killed_decode_and_equal_an_unfailed_run(stack):
+    router_url, up_out, logs = stack["router"], stack["up_out"], stack["logs"]
+    decodes = dict(re.findall(r"started decode-\d+ pid (\d+): (\S+)", up_out))  # pid -> url
+    (victim_pid, victim), (_, survivor) = decodes.items()
+    with ThreadPoolExecutor(2) as ex:
+        reference = dict(zip(MIGRATE_BODIES, ex.map(lambda p: _sse(router_url, p), MIGRATE_BODIES)))
+    # both streams on one decode: take the other out of the router until they run, then kill theirs
+    httpx.delete(router_url + "/admin/workers", params={"url": survivor}).raise_for_status()
+    counts = {path: 0 for path in MIGRATE_BODIES}
+    lock, running = threading.Lock(), threading.Event()
+
+    def on_token(path: str) -> None:
+        with lock:
+            counts[path] += 1
+            if min(counts.values()) >= 4 and not running.is_set():
+                running.set()
+                httpx.post(router_url + "/admin/workers", json={"url": survivor, "role": "decode"}).raise_for_status()
+                os.killpg(int(victim_pid), signal.SIGKILL)
+
+    with ThreadPoolExecutor(2) as ex:
+        migrated = dict(zip(MIGRATE_BODIES, ex.map(lambda p: _sse(router_url, p, lambda: on_token(p)),
+                                                   MIGRATE_BODIES)))
+    assert running.is_set(), "the streams ended before the kill"
+    for path in MIGRATE_BODIES:
+        ref, got = reference[path], migrated[path]
+        assert not any("error" in e for e in got), got[-2:]
+        print(f"{path}: unfailed {_text(ref)!r}\n{' ' * len(path)}  migrated {_text(got)!r}")
+        assert _text(got) == _text(ref) and got[-1]["usage"] == ref[-1]["usage"]
+        assert len({e["id"] for e in got}) == 1 and not any("pd_token_ids" in e for e in got)
+    metrics = httpx.get(router_url + "/metrics").text
+    assert "pdserve_router_migrations_total 2.0" in metrics
+    token = (Path(logs) / "internal-token").read_text().strip()
+
+    def idle(url: str) -> bool:
+        st = httpx.get(url + "/server_info", headers={TOKEN_HEADER: token}, timeout=10).json()["internal_states"][0]
+        return st["kv_used_tokens"] == 0 and st.get("active_rooms", 0) == 0
+
+    workers = [u for u, w in _admin(router_url).items() if u != victim]
+    wait_for(lambda: all(idle(u) for u in workers), 60, "every pool back to 0", interval=0.2)

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -90,3 +91,47 @@ def test_up_reports_a_worker_that_dies_at_start(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "exited with 3" in out and "model load failed: boom" in out
+
+
+class _Lines:
+    """stdout of `pdserve up`, read by a thread, so a test polls it with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+
+    def wait(self, pattern: str, timeout: float = 60.0) -> re.Match:
+        return wait_for(lambda: re.search(pattern, "".join(self.lines)), timeout, pattern)
+
+
+def test_up_restarts_a_killed_worker_and_keeps_serving(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _up(["--prefill", "1", "--decode", "2", "--port", str(port), "--log-dir", str(tmp_path),
+                "--worker-cmd", f"{sys.executable} {STUB}", "--grace", "5"])
+    out = _Lines(proc)
+    try:
+        out.wait("Ctrl-C stops everything", 90)
+        old = int(out.wait(r"started decode-0 pid (\d+)").group(1))
+        os.kill(old, signal.SIGKILL)
+        out.wait(r"decode-0 \(pid \d+\) exited with -9; restarting in 1s")
+        # the other decode serves while decode-0 is down (the router retries away from it)
+        body = {"prompt": "hi", "max_tokens": 3}
+        assert all(httpx.post(url + "/v1/completions", json=body).status_code == 200 for _ in range(4))
+        new = int(out.wait(r"restarted decode-0 \(restart 1\): pid (\d+)").group(1))
+        assert new != old and _alive(new)
+
+        def readmitted() -> bool:
+            workers = httpx.get(url + "/admin/workers").json()["workers"]
+            return len(workers) == 3 and all(w["healthy"] and w["eligible"] for w in workers)
+
+        wait_for(readmitted, 30, "decode-0 healthy in the router again")
+        assert all(httpx.post(url + "/v1/completions", json=body).status_code == 200 for _ in range(6))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        pids = [int(p) for p in re.findall(r"pid (\d+)", "".join(out.lines))]
+        wait_for(lambda: not any(_alive(p) for p in pids), 10, "children gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

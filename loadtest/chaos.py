@@ -1,0 +1,218 @@
+"""Chaos scenarios on a local `pdserve up` cluster: kill -9 a worker under load.
+
+    python -m loadtest.chaos --out out/chaos [--kill decode|prefill --requests 12 --max-tokens 32]
+
+1. `pdserve up --prefill P --decode D` (supervised: --restart on-failure), logs in OUT/logs.
+2. Reference batch: `--requests` greedy streams at once (completions and chat alternating, distinct
+   prompts, exact length: ignore_eos), all must complete.
+3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
+   arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
+   `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
+   the prefill with the most requests is killed mid-prefill. `--signal STOP` freezes it for --stop-s
+   instead, `--signal TERM` drains it (it exits 0 and stays down).
+4. Checks per request: completed with the reference text (no token lost or repeated), a clean error
+   (an error event), or a hang (no end within --timeout). Migrations from the router's counter; the
+   killed decode must be restarted by `pdserve up`; every pool back to 0; the next batch completes.
+Report: OUT/chaos.json and one table row (markdown) printed, for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from common.http import TOKEN_HEADER
+from common.procs import free_port, wait_until
+from loadtest import promtext
+
+REPO = Path(__file__).resolve().parent.parent
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
+WHAT = {"KILL": "kill -9", "STOP": "SIGSTOP (then SIGCONT)", "TERM": "SIGTERM (drain)"}
+
+
+def _body(i: int, max_tokens: int) -> tuple[str, dict]:
+    common = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    topic = ["a lighthouse", "the Roman empire", "a cat", "rivers", "bread", "the moon"][i % 6] + f" #{i}"
+    if i % 2:
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}
+    return "/v1/completions", {**common, "prompt": f"A short essay on {topic}:"}
+
+
+async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress: list[int]) -> dict:
+    path, body = _body(i, max_tokens)
+    text, error = "", ""
+    try:
+        async with c.stream("POST", url + path, json=body) as r:
+            if r.status_code != 200:
+                return {"i": i, "status": "error", "error": (await r.aread()).decode()[:200], "text": ""}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    error = ev["error"].get("message", "")
+                    continue
+                for ch in ev.get("choices") or []:
+                    piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    if piece:
+                        text += piece
+                        progress[0] += 1
+    except httpx.TimeoutException:
+        return {"i": i, "status": "hang", "error": "timeout", "text": text}
+    return {"i": i, "status": "error" if error else "ok", "error": error, "text": text}
+
+
+async def _batch(url: str, n: int, max_tokens: int, timeout: float, on_progress=None) -> list[dict]:  # noqa: ANN001
+    progress = [0]
+    async with httpx.AsyncClient(timeout=timeout) as c:
+        tasks = [asyncio.ensure_future(_one(c, url, i, max_tokens, progress)) for i in range(n)]
+        while not all(t.done() for t in tasks):
+            if on_progress is not None:
+                on_progress(progress[0])
+            await asyncio.sleep(0.05)
+        return [t.result() for t in tasks]
+
+
+class _Up:
+    def __init__(self, out: Path, prefills: int, decodes: int, port: int) -> None:
+        self.log_dir = out / "logs"
+        argv = [sys.executable, "-m", "pdserve", "up", "--prefill", str(prefills), "--decode", str(decodes), "--port",
+                str(port), "--log-dir", str(self.log_dir), "--max-total-tokens", "8192"]
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def workers(self) -> dict[str, str]:
+        """name -> url of every worker, from `started NAME pid N: URL`."""
+        return dict(re.findall(r"started ((?:prefill|decode)-\d+) pid \d+: (\S+)", self.text()))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def _pools_free(workers: dict[str, str], token: str) -> bool:
+    for url in workers.values():
+        try:
+            st = httpx.get(url + "/server_info", headers={TOKEN_HEADER: token}, timeout=5).json()["internal_states"][0]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            return False
+        if st["kv_used_tokens"] or st.get("active_rooms", 0) or st.get("host_kv_used_pages", 0):
+            return False
+    return True
+
+
+def _carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
+    """The worker of `role` with the most requests in flight, and that count."""
+    rows = httpx.get(router + "/admin/workers", timeout=5).json()["workers"]
+    busy = max((w for w in rows if w["role"] == role), key=lambda w: w["outstanding_requests"])
+    return next(name for name, url in workers.items() if url == busy["url"]), busy["outstanding_requests"]
+
+
+def _counter(router: str, name: str) -> float:
+    return promtext.total(promtext.parse(httpx.get(router + "/metrics").text), name)
+
+
+def run(a: argparse.Namespace) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    up = _Up(out, a.prefill, a.decode, port)
+    try:
+        wait_until(lambda: "Ctrl-C stops everything" in up.text() or up.proc.poll() is not None, 900, "pdserve up")
+        token = (up.log_dir / "internal-token").read_text().strip()
+        workers = up.workers()
+        t0 = time.monotonic()
+        ref = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout))
+        ref_s = time.monotonic() - t0
+        assert all(r["status"] == "ok" for r in ref), [r for r in ref if r["status"] != "ok"]
+        before = {c: _counter(router, c) for c in ("pdserve_router_migrations_total", "pdserve_router_retries_total")}
+        killed: list[str] = []
+        in_flight: list[int] = []
+
+        at = a.requests * a.max_tokens // 4 if a.kill == "decode" else 1
+
+        def kill_when(tokens: int) -> None:
+            if not killed and tokens >= at:
+                name, n = _carrier(router, workers, a.kill)
+                in_flight.append(n)
+                pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
+                # TERM goes to the service's main process only, as Kubernetes sends it: the service drains
+                (os.kill if a.signal == "TERM" else os.killpg)(pid, SIGNALS[a.signal])
+                if a.signal == "STOP":  # frozen for --stop-s, then thawed (the scenario, not a wait)
+                    threading.Timer(a.stop_s, os.killpg, (pid, signal.SIGCONT)).start()
+                killed.append(name)
+
+        t0 = time.monotonic()
+        res = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
+        chaos_s = time.monotonic() - t0
+        after = {c: _counter(router, c) - v for c, v in before.items()}
+        same = sum(r["status"] == "ok" and r["text"] == ref[r["i"]]["text"] for r in res)
+        (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed}, indent=1))
+        restarted = (a.signal == "KILL" and bool(killed)
+                     and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart"))
+        gone = set(killed) if a.signal == "TERM" else set()
+        wait_until(lambda: _pools_free({n: u for n, u in up.workers().items() if n not in gone}, token), 120,
+                   "pools back to 0")
+        if a.signal != "TERM":  # a drained worker exits 0 and stays down (--restart on-failure)
+            wait_until(lambda: all(w["healthy"] for w in httpx.get(router + "/admin/workers").json()["workers"]),
+                       600, "the worker re-admitted")
+        nxt = asyncio.run(_batch(router, a.requests, 4, a.timeout))
+        report = {
+            "scenario": f"{WHAT[a.signal]} a {a.kill} mid-{'stream' if a.kill == 'decode' else 'prefill'} "
+                        f"({a.prefill} prefill, {a.decode} decode)", "requests": a.requests,
+            "completed": sum(r["status"] == "ok" for r in res), "equal_to_unfailed": same,
+            "migrated": int(after["pdserve_router_migrations_total"]),
+            "retried": int(after["pdserve_router_retries_total"]), "victim_in_flight": in_flight[:1],
+            "clean_errors": sum(r["status"] == "error" for r in res),
+            "hangs": sum(r["status"] == "hang" for r in res), "pools_after": "0", "killed": killed,
+            "restarted": restarted, "next_batch_ok": sum(r["status"] == "ok" for r in nxt),
+            "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
+            "errors": [r["error"] for r in res if r["error"]][:5],
+        }
+        (out / "chaos.json").write_text(json.dumps(report, indent=2))
+        return report
+    finally:
+        up.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output directory (chaos.json, logs/)")
+    p.add_argument("--requests", type=int, default=12, help="concurrent streaming requests per batch")
+    p.add_argument("--max-tokens", type=int, default=32, help="exact output length of each request")
+    p.add_argument("--kill", choices=("decode", "prefill"), default="decode", help="the role of the worker killed")
+    p.add_argument("--signal", choices=tuple(SIGNALS), default="KILL",
+                   help="KILL (restarted by pdserve up), STOP (SIGCONT after --stop-s), TERM (drains, exits 0)")
+    p.add_argument("--stop-s", type=float, default=25.0, help="seconds a SIGSTOPped worker stays frozen")
+    p.add_argument("--prefill", type=int, default=1, help="prefill services")
+    p.add_argument("--decode", type=int, default=2, help="decode services")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds after which a request counts as hung")
+    r = run(p.parse_args(argv))
+    print(json.dumps(r, indent=2))
+    print("| scenario | requests | completed | equal to unfailed | migrated | retried | clean errors | hangs | "
+          "pools after |")
+    print(f"| {r['scenario']} | {r['requests']} | {r['completed']} | {r['equal_to_unfailed']} | {r['migrated']} | "
+          f"{r['retried']} | {r['clean_errors']} | {r['hangs']} | {r['pools_after']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
