@@ -201,7 +201,10 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 3}, "'n'"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 9}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "a " * 5000}, "context length"),
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "empty"),
@@ -279,7 +282,7 @@ def test_prefill_needs_token_and_bootstrap_fields(pre: Service) -> None:
                       {"bootstrap_room": 2**64}, {"bootstrap_host": ""}):
             r = c.post(path, json={**base, **BOOT, **patch})
             assert r.status_code == 400 and next(iter(patch)) in r.json()["error"]["message"]
-    r = c.post("/generate", json={"text": "hello world", "return_logprob": True, **BOOT})
+    r = c.post("/generate", json={"text": "hello world", "return_logprob": True, "logprob_start_len": 0, **BOOT})
     body = r.json()
     assert r.status_code == 200 and len(body["output_ids"]) == 1
     assert body["meta_info"]["bootstrap_room"] == 12345
