@@ -224,6 +224,19 @@ def test_bad_input_is_4xx_with_message(colo: Service, path: str, body, match: st
     assert colo.client.get("/health").status_code == 200
 
 
+def test_openapi_documents_the_generation_endpoints(colo: Service) -> None:
+    from tests.unit.test_openapi import check_openapi
+
+    r = colo.client.get("/openapi.json")
+    assert r.status_code == 200
+    check_openapi(r.json())
+    assert colo.client.get("/docs").status_code == 200
+    # the one parse stays protocol.py's: its message, not a pydantic validation error
+    bad = colo.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "logprobs": True, "top_logprobs": 50})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "'top_logprobs' must be in 0..20, got 50"
+
+
 def test_unknown_path_and_method_are_json_errors(colo: Service) -> None:
     assert colo.client.get("/nope").json()["error"]["code"] == 404
     assert colo.client.get("/generate").status_code == 405
@@ -313,3 +326,4 @@ def test_sigterm_drains_in_flight_then_exits_0(colo: Service) -> None:
     assert last["meta_info"]["finish_reason"]["type"] == "length"
     assert last["meta_info"]["completion_tokens"] == 150
     assert colo.proc.wait(30) == 0
+
