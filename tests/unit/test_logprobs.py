@@ -124,3 +124,21 @@ def test_pd_logprobs_equal_transformers(engine_cfg: EngineConfig, model_dir) -> 
         assert diff < TOL
     finally:
         pair.close()
+
+
+def test_pd_prompt_prefilled_on_the_decode_reports_its_own_prompt_logprobs(engine_cfg: EngineConfig) -> None:
+    """Conditional disaggregation: the decode computes the prompt, so it reports the prompt's logprobs
+    and the prefill (which never computes the room) reports none: the router's join stays exact."""
+    want = _gather(_colocated(engine_cfg, return_logprob=True, top_logprobs_num=K, logprob_start_len=2))
+    pair = PDPair(engine_cfg, local_threshold=len(PROMPT))
+    try:
+        seen: list[m.TokenOut] = []
+        _, d_done, p_done = pair.run([PROMPT], SP, seen=seen, fields={
+            "return_logprob": True, "top_logprobs_num": K, "logprob_start_len": 2})
+        assert d_done["r0"].error is None and p_done["r0"].input_start == -1
+        got = _gather(seen)
+        assert got["ids"] == want["ids"] and got["input"][0] == 2
+        diffs = [abs(a - b) for a, b in zip(got["lps"] + got["input"][1], want["lps"] + want["input"][1])]
+        assert len(diffs) == SP.max_new_tokens + len(PROMPT) - 2 and max(diffs) < TOL
+    finally:
+        pair.close()
