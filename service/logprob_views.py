@@ -22,8 +22,23 @@ def prompt_entries(ids: list[int], start: int, lps: list[float], tops: list) -> 
     return out + [(ids[first + j], lp, tops[j] if j < len(tops) else None) for j, lp in enumerate(lps)]
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's character -> byte map (printable bytes stand for themselves, the rest are
+    shifted to U+0100..)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+BYTE_LEVEL = _byte_level_table()
+
+
 class Pieces:
-    """Token id -> its text, decoded once per id (a request repeats tokens)."""
+    """Token id -> its text, decoded once per id (a request repeats tokens), and its bytes."""
 
     def __init__(self, tok: Any) -> None:
         self.tok = tok
@@ -35,11 +50,20 @@ class Pieces:
             s = self.cache[t] = self.tok.decode([t], skip_special_tokens=False)
         return s
 
+    def bytes(self, t: int) -> list[int]:
+        """The token's own bytes: a byte-level BPE token holding part of a UTF-8 character decodes to
+        U+FFFD alone, so its bytes come from the token's symbols (OpenAI's `bytes` is for exactly that)."""
+        text = self(t)
+        if "\ufffd" in text:
+            sym = self.tok.id_to_token(t)
+            if sym and all(c in BYTE_LEVEL for c in sym):
+                return [BYTE_LEVEL[c] for c in sym]
+        return list(text.encode())
+
 
 def chat_content(piece: Pieces, entries: list[Entry]) -> list[dict[str, Any]]:
     def item(t: int, lp: float | None) -> dict[str, Any]:
-        text = piece(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"token": piece(t), "logprob": lp, "bytes": piece.bytes(t)}
 
     return [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in zip(*top)] if top else []}
             for t, lp, top in entries]

@@ -100,3 +100,20 @@ def test_pd_prefill_prompt_joined_in_front_of_decode_answer() -> None:
     merged = merge_input_logprobs("/v1/completions", p_body, final_body(dec))
     assert merged["choices"][0]["logprobs"] == final_body(colo)["choices"][0]["logprobs"]
     assert merged["choices"][0]["text"] == "abhi"
+
+
+def test_bytes_of_a_token_holding_part_of_a_character() -> None:
+    """A byte-level BPE token with half of 'é' (0xC3 0xA9) decodes to U+FFFD; its bytes are exact."""
+    from service.logprob_views import BYTE_LEVEL, Pieces
+
+    sym = {b: c for c, b in BYTE_LEVEL.items()}
+
+    class HalfTok:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return {1: "\ufffd", 2: " a"}[ids[0]]
+
+        def id_to_token(self, t: int) -> str:
+            return {1: sym[0xC3], 2: sym[0x20] + "a"}[t]
+
+    p = Pieces(HalfTok())
+    assert p.bytes(1) == [0xC3] and p.bytes(2) == [0x20, ord("a")]
