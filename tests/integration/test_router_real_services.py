@@ -180,6 +180,10 @@ def test_echo_and_native_logprobs_through_router_match_colocated(services):
     g, w = got.choices[0].logprobs, want.choices[0].logprobs
     assert g.tokens == w.tokens and g.text_offset == w.text_offset and g.token_logprobs[0] is None
     assert max(abs(a - b) for a, b in zip(g.token_logprobs[1:], w.token_logprobs[1:])) < 1e-3
+    chunks = [ch.choices[0] for ch in via.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(c.text for c in chunks) == want.choices[0].text  # the echoed prompt first, then the deltas
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == w.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == w.text_offset
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
             "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
     metas = [httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"] for url in services]
