@@ -181,6 +181,9 @@ class DecodeRole:
         r.output_ids.append(int(meta["first_token"]))
         if r.return_logprob:
             r.output_logprobs.append(float(meta.get("first_logprob", 0.0)))
+            top = meta.get("first_top_logprobs")
+            if r.top_logprobs_num and top:
+                r.output_top_logprobs.append((list(top[0]), list(top[1])))
         self.sched.join_running(r)
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:

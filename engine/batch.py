@@ -1,8 +1,9 @@
 """One model step over a mixed batch: extend items (prompt chunks) plus decode requests.
 
 `BatchExecutor.run` does the forward and the bookkeeping after it: advances kv_len, collects
-input logprobs, samples the next token for requests whose prompt is now fully cached and for every
-decode request, and applies stop conditions. Pages must already be allocated (KVManager.grow).
+prompt logprobs (only the rows a request asked for), samples the next token for requests whose
+prompt is now fully cached and for every decode request (with logprobs when asked), and applies stop
+conditions. Pages must already be allocated (KVManager.grow).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logprobs import TopK, token_logprobs
 from engine.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ModelRunner, Segment
 from engine.request import Req, StopChecker
 from engine.sampling import Sampler
@@ -44,8 +46,8 @@ class BatchExecutor:
         segments: list[Segment] = []
         for it in extend:
             r = it.req
-            mode = LOGITS_ALL if r.return_logprob else (LOGITS_LAST if it.completes_prompt else LOGITS_NONE)
-            segments.append(Segment(r.pages, r.kv_len, r.fill_ids[r.kv_len : r.kv_len + it.num_tokens], mode))
+            mode, skip = _logit_rows(it)
+            segments.append(Segment(r.pages, r.kv_len, r.fill_ids[r.kv_len : r.kv_len + it.num_tokens], mode, skip))
         for r in decode:
             assert len(r.fill_ids) == r.kv_len + 1, "decode request must have exactly one uncached token"
             segments.append(Segment(r.pages, r.kv_len, [r.fill_ids[-1]], LOGITS_LAST))
@@ -55,13 +57,14 @@ class BatchExecutor:
         logits = self.runner.forward(segments)
 
         to_sample: list[tuple[Req, torch.Tensor]] = []
-        for it, lg in zip(extend, logits[: len(extend)]):
+        for it, seg, lg in zip(extend, segments, logits[: len(extend)]):
             r = it.req
-            if r.return_logprob and lg is not None:
-                self._input_logprobs(r, it.num_tokens, lg)
+            if seg.logits == LOGITS_ALL and lg is not None:
+                _input_logprobs(r, r.kv_len + seg.skip, lg)
                 lg = lg[-1]
             r.kv_len += it.num_tokens
             if it.completes_prompt:
+                r.input_logprobs_done = r.wants_input_logprobs
                 to_sample.append((r, lg))
         for r, lg in zip(decode, logits[len(extend) :]):
             r.kv_len += 1
@@ -69,26 +72,48 @@ class BatchExecutor:
         sampled = self._sample(to_sample)
         return StepResult(extend, decode, sampled)
 
-    def _input_logprobs(self, r: Req, n: int, lg: torch.Tensor) -> None:
-        # row j predicts the token at position kv_len + j + 1 (only prompt tokens count)
-        start = r.kv_len
-        end = min(start + n, len(r.input_ids) - 1)
-        if end <= start:
-            return
-        lp = torch.log_softmax(lg[: end - start], dim=-1)
-        targets = torch.tensor(r.input_ids[start + 1 : end + 1], device=lp.device).unsqueeze(1)
-        r.input_logprobs.extend(lp.gather(1, targets).squeeze(1).tolist())
-
     def _sample(self, items: list[tuple[Req, torch.Tensor]]) -> list[Req]:
         if not items:
             return []
         reqs = [r for r, _ in items]
         logits = torch.stack([lg for _, lg in items])  # [B, V] fp32
-        want_lp = any(r.return_logprob for r in reqs)
-        tokens, lps = self.sampler.sample(logits, reqs, want_lp)
+        tokens, _ = self.sampler.sample(logits, reqs, False)
+        want = [i for i, r in enumerate(reqs) if r.return_logprob]
+        if want:  # only the rows that asked: no softmax over the vocabulary otherwise
+            k = max(reqs[i].top_logprobs_num for i in want)
+            lps, tops = token_logprobs(logits[want], [tokens[i] for i in want], k)
+            for j, i in enumerate(want):
+                r = reqs[i]
+                r.output_logprobs.append(lps[j])
+                if r.top_logprobs_num:
+                    r.output_top_logprobs.append(_first(tops[j], r.top_logprobs_num))
         for i, r in enumerate(reqs):
             r.output_ids.append(tokens[i])
-            if r.return_logprob:
-                r.output_logprobs.append(lps[i])
             self.stops.check(r)
         return reqs
+
+
+def _first(top: TopK, k: int) -> TopK:
+    return top[0][:k], top[1][:k]
+
+
+def _logit_rows(it: ExtendItem) -> tuple[int, int]:
+    """(logits mode, rows skipped) of an extend item's segment. Prompt logprobs from position s need
+    the rows of positions s-1 .. len-2 (row p predicts token p+1); the last prompt row is sampled."""
+    r = it.req
+    if r.wants_input_logprobs:
+        first = max(r.logprob_start_len, 1) - 1  # the first position whose row is needed
+        end = r.kv_len + it.num_tokens  # this chunk covers positions kv_len .. end-1
+        if first < end:  # first <= len-2, so a chunk that completes the prompt always has its last row
+            return LOGITS_ALL, max(0, first - r.kv_len)
+    return (LOGITS_LAST if it.completes_prompt else LOGITS_NONE), 0
+
+
+def _input_logprobs(r: Req, pos0: int, lg: torch.Tensor) -> None:
+    """lg: fp32 [n, V], the rows of positions pos0 .. pos0+n-1; row p scores prompt token p+1."""
+    n = min(lg.shape[0], len(r.input_ids) - 1 - pos0)  # the last prompt row scores no prompt token
+    if n <= 0:
+        return
+    lps, tops = token_logprobs(lg[:n], r.input_ids[pos0 + 1 : pos0 + 1 + n], r.top_logprobs_num)
+    r.input_logprobs.extend(lps)
+    r.input_top_logprobs.extend(tops)

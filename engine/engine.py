@@ -45,7 +45,8 @@ class LLM:
                  return_logprob: bool = False) -> list[Completion]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [Req(rid=f"offline-{next(self._ids)}", input_ids=self.encode(p), sampling=sp,
-                    return_logprob=return_logprob) for p, sp in zip(prompts, plist)]
+                    return_logprob=return_logprob, logprob_start_len=0 if return_logprob else -1)
+                for p, sp in zip(prompts, plist)]
         for r in reqs:
             self.scheduler.add(r)
         pending = {r.rid for r in reqs}

@@ -32,6 +32,7 @@ class Segment:
     start: int  # cache position of the first new token
     tokens: list[int]  # new tokens
     logits: int = LOGITS_LAST
+    skip: int = 0  # LOGITS_ALL: the first `skip` rows get no logits
 
 
 class ModelRunner:
@@ -61,7 +62,7 @@ class ModelRunner:
 
     def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         """Run the segments as one batch. Returns per segment: fp32 logits [V] (LOGITS_LAST),
-        [n, V] (LOGITS_ALL) or None."""
+        [n - skip, V] (LOGITS_ALL: rows of tokens skip..n-1) or None."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -96,8 +97,8 @@ class ModelRunner:
                 spans.append((len(rows), 1))
                 rows.append(off + n - 1)
             elif s.logits == LOGITS_ALL:
-                spans.append((len(rows), n))
-                rows.extend(range(off, off + n))
+                spans.append((len(rows), n - s.skip))
+                rows.extend(range(off + s.skip, off + n))
             else:
                 spans.append(None)
             off += n

@@ -16,6 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from engine.logprobs import TopK
 from engine.sampling_params import SamplingParams
 
 
@@ -33,6 +34,8 @@ class Req:
     sampling: SamplingParams
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # alternatives per token (engine.logprobs.TopK) when return_logprob
+    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # device pages, in token order
     host_pages: list[int] = field(default_factory=list)  # host copy while retracted
@@ -44,9 +47,13 @@ class Req:
     error_code: int = 0
     error_fault: str = ""  # PD role that caused the error when it was the peer, else ""
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopK] = field(default_factory=list)  # when top_logprobs_num > 0
+    # prompt positions max(logprob_start_len, 1).. (position 0 has none), computed by extend steps
     input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[TopK] = field(default_factory=list)
     cached_tokens: int = 0
     sent_tokens: int = 0  # output tokens already reported to the frontend
+    input_logprobs_done: bool = False  # this worker computed the prompt's logprobs (they are complete)
     input_logprobs_sent: bool = False
     retractions: int = 0
     # PD
@@ -60,6 +67,10 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from engine.logprobs import token_logprobs
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys apart
@@ -88,11 +89,7 @@ class Sampler:
                 tokens[i] = int(torch.argmax(row))
                 continue
             tokens[i] = self._draw(row, r)
-        logprobs: list[float] = []
-        if want_logprobs:
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            idx = torch.tensor(tokens, device=logits.device).unsqueeze(1)
-            logprobs = lp.gather(1, idx).squeeze(1).tolist()
+        logprobs = token_logprobs(logits, tokens, 0)[0] if want_logprobs else []
         return tokens, logprobs
 
     def _draw(self, row: torch.Tensor, r: Sampled) -> int:

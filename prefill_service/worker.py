@@ -6,7 +6,7 @@ Queues of one request (a room):
              the --schedule-policy order (sjf: shortest prompt first, aging bound), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
              the next chunk computes); the last chunk sends the remaining pages plus metadata
-             (first token, its logprob, room). Sliding-window models send only the last window.
+             (first token, its logprob and top alternatives, room). Sliding-window models send only the last window.
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
   done       pages freed, the request reported finished with its first token (and input logprobs)
 
@@ -152,6 +152,8 @@ class PrefillRole:
                         "prompt_tokens": len(r.input_ids)}
                 if r.output_logprobs:
                     meta["first_logprob"] = r.output_logprobs[0]
+                if r.output_top_logprobs:  # [ids, logprobs] of the first token's alternatives
+                    meta["first_top_logprobs"] = list(r.output_top_logprobs[0])
                 room.sender.send(r.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.pages)
                 room.t_last_sent = time.monotonic()

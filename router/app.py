@@ -6,6 +6,7 @@
     GET  /health        200 when at least one prefill and one decode are eligible, else 503
     GET  /livez         200 while the process serves HTTP
     GET  /metrics       Prometheus text (router.metrics)
+    GET  /openapi.json, /docs   the API (common.api_schema: the proxied endpoints' bodies and errors)
     GET  /admin/workers, POST /admin/workers {url, role, bootstrap_port?}, DELETE /admin/workers?url=
 Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1/*, /generate, /admin/*.
 """
@@ -20,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from common import api_schema
 from router.asgi import ProxyEndpoints, auth_error, parse_json
 from router.client import WorkerClient
 from router.config import RouterConfig, WorkerSpec
@@ -138,7 +140,20 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
         return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
 
     _add_admin_routes(app, cfg, st)
+    _add_api_docs(app)
     return ProxyEndpoints(app, st)
+
+
+def _add_api_docs(app: FastAPI) -> None:
+    """The proxied endpoints in /openapi.json and /docs. ProxyEndpoints answers every request to these
+    paths before FastAPI sees it, so these routes only document (no body is validated here)."""
+
+    async def documented_only() -> Response:  # never reached: router.asgi.ProxyEndpoints serves the path
+        return _error(500, "served by router.asgi.ProxyEndpoints")
+
+    api_schema.install(app)
+    for path in api_schema.PATHS:
+        app.post(path, **api_schema.route_docs(path))(documented_only)
 
 
 def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:

@@ -112,8 +112,9 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
     prompt = _prompt_of(endpoint, body)
     prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
     tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
-    if endpoint == "/generate":
-        input_lp = bool(body.get("return_logprob"))
+    if endpoint == "/generate":  # SGLang: logprob_start_len -1 (the default) asks for no prompt logprobs
+        start = body.get("logprob_start_len")
+        input_lp = bool(body.get("return_logprob")) and isinstance(start, int) and start >= 0
     else:
         input_lp = (
             endpoint == "/v1/completions" and bool(body.get("echo")) and body.get("logprobs") is not None

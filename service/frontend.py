@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common import tracing
+from common import api_schema, tracing
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
 from service.config import ServerConfig
@@ -302,7 +302,8 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
 
 def create_app(state: FrontendState) -> Any:
     """The FastAPI app of one service (wrapped in the token middleware when a token is set)."""
-    app = FastAPI(title=f"pdserve {state.config.role}", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title=f"pdserve {state.config.role}", redoc_url=None)
+    api_schema.install(app)  # /openapi.json and /docs declare the bodies; protocol.py still parses them
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -329,9 +330,8 @@ def create_app(state: FrontendState) -> Any:
         log.info("abort rid=%s room=%s all=%s", req.rid or None, req.room, req.abort_all)
         return JSONResponse({"success": True})
 
-    app.post("/generate")(generate)
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat)
+    for path, fn in (("/generate", generate), ("/v1/completions", completions), ("/v1/chat/completions", chat)):
+        app.post(path, **api_schema.route_docs(path))(fn)
     app.post("/abort_request")(abort_request)
     _info_routes(app, state)
     if state.config.internal_token:

@@ -32,6 +32,8 @@ class GenerateReq:
     sampling: SamplingParams
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # 0..20 alternatives per token, with return_logprob
+    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none
     # PD fields: validated by the frontend on prefill/decode (host, port 1..65535, room 0..2^63-1),
     # None in colocated mode
     bootstrap_host: str | None = None
@@ -69,8 +71,14 @@ class TokenOut:
     new_token_ids: list[int]
     # one float per new token when return_logprob, else empty
     new_logprobs: list[float] = field(default_factory=list)
-    # prompt-token logprobs (first element None-free; len == prompt_len - 1), sent once, when asked
+    # per new token [ids, logprobs] of its top_logprobs_num alternatives (best first), when asked
+    new_top_logprobs: list[list[list]] = field(default_factory=list)
+    # prompt logprobs, sent once when computed here: input_start is the first position reported
+    # (logprob_start_len), -1 when this worker computed none; the values are those of positions
+    # max(input_start, 1).. (position 0 has none), and their [ids, logprobs] alternatives
+    input_start: int = -1
     input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[list]] = field(default_factory=list)
     finished: bool = False
     # "stop" | "length" | "abort" | "error" when finished
     finish_reason: str | None = None

@@ -35,8 +35,10 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
 MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
-NEUTRAL = {"n": 1, "best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True, "echo": False,
+NEUTRAL = {"n": 1, "best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
            "suffix": None, "tools": None}
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (engine.logprobs.MAX_TOP_LOGPROBS is the engine's)
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class RequestError(Exception):
@@ -68,6 +70,9 @@ class ParsedRequest:
     skip_special_tokens: bool = True
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per token in the answer
+    echo: str | None = None  # completions with echo: the prompt text, put in front of the answer
+    role: str = "colocated"  # the answering service's role (a prefill leaves output logprobs to its decode)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     token_ids: bool = False  # stream events carry their token ids (TOKEN_IDS_KEY), for the router
     resumed: list[int] = dataclasses.field(default_factory=list)  # output ids another decode streamed
@@ -210,13 +215,33 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
 
 
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
-          stream: bool, logprobs: bool) -> ParsedRequest:
+          stream: bool, logprobs: bool, top: int = 0, start: int = -1) -> ParsedRequest:
+    """`top`: alternatives per token, `start`: first prompt position with a logprob (-1: none)."""
     host, port, room = parse_bootstrap(body, limits.role)
-    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream,
-                      return_logprob=logprobs, bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream, return_logprob=logprobs,
+                      top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,
+                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
     return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
+                         top_logprobs=top if logprobs else 0, role=limits.role,
                          token_ids=body.get(TOKEN_IDS_KEY) is True)
+
+
+def _generate_logprobs(body: dict[str, Any], prompt_len: int) -> tuple[bool, int, int]:
+    """SGLang's (return_logprob, top_logprobs_num, logprob_start_len); -1 (the default) reports no
+    prompt logprobs, k >= 0 those of prompt positions k.. (position 0's value is null)."""
+    logprobs = bool(_opt(body, "return_logprob", (bool,), "a boolean"))
+    top = _opt(body, "top_logprobs_num", (int,), "an integer") or 0
+    if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+        raise RequestError(f"'top_logprobs_num' must be in 0..{MAX_CHAT_TOP_LOGPROBS}, got {top}")
+    if top and not logprobs:
+        raise RequestError("'top_logprobs_num' needs 'return_logprob': true")
+    start = _opt(body, "logprob_start_len", (int,), "an integer")
+    start = -1 if start is None else start
+    if not -1 <= start < prompt_len:
+        raise RequestError(f"'logprob_start_len' must be -1 (output only) or a prompt position in "
+                           f"0..{prompt_len - 1}, got {start}")
+    return logprobs, top, start
 
 
 def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
@@ -244,9 +269,9 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     _check_neutral(sp_raw, "sampling_params ")
     sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL}
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
-    logprobs = bool(_opt(body, "return_logprob", (bool,), "a boolean"))
+    logprobs, top, start = _generate_logprobs(body, len(ids))
     sp = _sampling(sp_raw, len(ids), limits)
-    return _make("generate", body, ids, sp, limits, stream, logprobs)
+    return _make("generate", body, ids, sp, limits, stream, logprobs, top, start)
 
 
 _OPENAI_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids",
@@ -302,14 +327,19 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     else:
         raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)")
     lp = _opt(body, "logprobs", (int,), "an integer")
-    if lp is not None and not 0 <= lp <= 5:
-        raise RequestError("'logprobs' must be in 0..5")
+    if lp is not None and not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
+        raise RequestError(f"'logprobs' must be in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), got {lp}")
+    echo = bool(_opt(body, "echo", (bool,), "a boolean"))
     stream, include_usage = _stream_opts(body)
     raw = _openai_sampling_raw(body, ("max_tokens",))
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
-    parsed = _make("completion", body, ids, sp, limits, stream, lp is not None)
+    echo = echo and resume is None  # a resumed stream's first leg already showed the prompt
+    # echo + logprobs: the prompt's tokens too (the first one's logprob is null, as OpenAI's)
+    parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1)
     parsed.include_usage = include_usage
+    if echo:
+        parsed.echo = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
     _apply_resume(parsed, resume)
     return parsed
 
@@ -358,8 +388,10 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
         raise RequestError(f"response_format type {rf.get('type')!r} is not supported")
     logprobs = bool(_opt(body, "logprobs", (bool,), "a boolean"))
     top = _opt(body, "top_logprobs", (int,), "an integer")
-    if top:
-        raise RequestError("'top_logprobs' > 0 is not supported (the chosen token's logprob is returned)")
+    if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be in 0..{MAX_CHAT_TOP_LOGPROBS}, got {top}")
+    if top is not None and not logprobs:
+        raise RequestError("'top_logprobs' needs 'logprobs': true")
     stream, include_usage = _stream_opts(body)
     try:
         ids = tok.apply_chat_template(messages)
@@ -368,7 +400,7 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens"))
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
-    parsed = _make("chat", body, ids, sp, limits, stream, logprobs)
+    parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0)
     parsed.include_usage = include_usage
     _apply_resume(parsed, resume)
     return parsed

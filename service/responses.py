@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from common.http import TOKEN_IDS_KEY
+from service.logprob_views import Entry, Pieces, chat_content, completion_logprobs, native_lists, prompt_entries
 from service.messages import TokenOut
 from service.protocol import ParsedRequest
 from service.tokenizer import TextStream, Tokenizer
@@ -37,9 +38,11 @@ class RequestTracker:
         self.tok = tok
         self.text = TextStream(tok, parsed.stop, parsed.skip_special_tokens)
         self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.input_logprobs: list[float] = []
-        self.pending_lp: list[tuple[int, float]] = []  # (id, logprob) not yet sent in a chunk
+        self.piece = Pieces(tok)
+        self.entries: list[Entry] = []  # output tokens' logprobs, when asked (service.logprob_views)
+        self.pending_lp: list[Entry] = []  # the entries not yet sent in a chunk
+        self.prompt_lp: list[Entry] | None = None  # prompt tokens' logprobs, when computed by this worker
+        self.offset = len(parsed.echo or "")  # completions: text offset of the next streamed token
         self.pending_ids: list[int] = []  # ids not yet sent in a chunk (parsed.token_ids)
         self.resumed = len(parsed.resumed)
         if parsed.resumed:
@@ -75,10 +78,14 @@ class RequestTracker:
             self.t_last = now
         self.output_ids += out.new_token_ids
         self.pending_ids += out.new_token_ids
-        self.logprobs += out.new_logprobs
-        self.pending_lp += list(zip(out.new_token_ids, out.new_logprobs))
-        if out.input_logprobs:
-            self.input_logprobs = list(out.input_logprobs)
+        if self.parsed.logprobs and out.new_logprobs:
+            tops = out.new_top_logprobs or [None] * len(out.new_logprobs)
+            new = list(zip(out.new_token_ids, out.new_logprobs, tops))
+            self.entries += new
+            self.pending_lp += new
+        if out.input_start >= 0:
+            self.prompt_lp = prompt_entries(self.parsed.req.input_ids, out.input_start, out.input_logprobs,
+                                            out.input_top_logprobs)
         delta = self.text.push(out.new_token_ids)
         if out.finished:
             self.finished = True
@@ -115,9 +122,13 @@ class RequestTracker:
                 "total_tokens": self.prompt_tokens + n,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
-    def take_logprobs(self) -> list[tuple[int, float]]:
+    def take_logprobs(self) -> list[Entry]:
         lp, self.pending_lp = self.pending_lp, []
         return lp
+
+    def output_entries(self, entries: list[Entry]) -> list[Entry]:
+        """A prefill leaves the output tokens' logprobs to its decode (the router joins the two)."""
+        return [] if self.parsed.role == "prefill" else entries
 
 
 def _finish_obj(tr: RequestTracker) -> dict[str, Any] | None:
@@ -137,11 +148,9 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
     if tr.parsed.req.bootstrap_room is not None:
         meta["bootstrap_room"] = tr.parsed.req.bootstrap_room
     if tr.parsed.logprobs:
-        meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(tr.output_ids, tr.logprobs)]
-        ids = tr.parsed.req.input_ids
-        # the first prompt token has no logprob
-        inp = [[None, ids[0], None]] + [[lp, t, None] for t, lp in zip(ids[1:], tr.input_logprobs)]
-        meta["input_token_logprobs"] = inp if tr.input_logprobs else []
+        top = tr.parsed.top_logprobs > 0
+        meta.update(native_lists(tr.entries, "output", top))
+        meta.update(native_lists(tr.prompt_lp or [], "input", top))
     return {"text": tr.text.text, "output_ids": list(tr.output_ids), "meta_info": meta}
 
 
@@ -151,18 +160,15 @@ def _openai_finish(tr: RequestTracker) -> str | None:
     return "length" if tr.finish_reason == "length" else "stop"
 
 
-def _completion_logprobs(tr: RequestTracker, pairs: list[tuple[int, float]]) -> dict[str, Any]:
-    tokens = [tr.tok.id_to_token(t) for t, _ in pairs]
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp in pairs],
-            "top_logprobs": [{tok: lp} for tok, (_, lp) in zip(tokens, pairs)], "text_offset": None}
+def _completion_logprobs(tr: RequestTracker, prompt: list[Entry], out: list[Entry]) -> dict[str, Any]:
+    """Prompt tokens (echo) at offset 0, output tokens from tr.offset on (advanced past them)."""
+    body, _ = completion_logprobs(tr.piece, prompt, 0)
+    more, tr.offset = completion_logprobs(tr.piece, tr.output_entries(out), tr.offset)
+    return {k: v + more[k] for k, v in body.items()}
 
 
-def _chat_logprobs(tr: RequestTracker, pairs: list[tuple[int, float]]) -> dict[str, Any]:
-    content = []
-    for t, lp in pairs:
-        piece = tr.tok.decode([t], skip_special_tokens=False)
-        content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-    return {"content": content}
+def _chat_logprobs(tr: RequestTracker, entries: list[Entry]) -> dict[str, Any]:
+    return {"content": chat_content(tr.piece, tr.output_entries(entries))}
 
 
 def _head(tr: RequestTracker, obj: str) -> dict[str, Any]:
@@ -172,15 +178,16 @@ def _head(tr: RequestTracker, obj: str) -> dict[str, Any]:
 
 
 def openai_body(tr: RequestTracker) -> dict[str, Any]:
-    pairs = list(zip(tr.output_ids, tr.logprobs))
+    lp = tr.parsed.logprobs
     if tr.parsed.kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": tr.text.text},
-                                  "logprobs": _chat_logprobs(tr, pairs) if tr.parsed.logprobs else None,
+                                  "logprobs": _chat_logprobs(tr, tr.entries) if lp else None,
                                   "finish_reason": _openai_finish(tr)}
         body = _head(tr, "chat.completion")
     else:
-        choice = {"index": 0, "text": tr.text.text,
-                  "logprobs": _completion_logprobs(tr, pairs) if tr.parsed.logprobs else None,
+        tr.offset = len(tr.parsed.echo or "")
+        choice = {"index": 0, "text": (tr.parsed.echo or "") + tr.text.text,
+                  "logprobs": _completion_logprobs(tr, tr.prompt_lp or [], tr.entries) if lp else None,
                   "finish_reason": _openai_finish(tr)}
         body = _head(tr, "text_completion")
     body["choices"] = [choice]
@@ -190,6 +197,15 @@ def openai_body(tr: RequestTracker) -> dict[str, Any]:
 
 def final_body(tr: RequestTracker) -> dict[str, Any]:
     return native_body(tr) if tr.parsed.kind == "generate" else openai_body(tr)
+
+
+def _echo_chunk(tr: RequestTracker) -> bytes:
+    """A streamed completion with echo starts with the prompt text (and its logprobs when this worker
+    computed them; in PD the router puts the prefill's in front of this event's lists)."""
+    body = _head(tr, "text_completion")
+    lp = completion_logprobs(tr.piece, tr.prompt_lp or [], 0)[0] if tr.parsed.logprobs else None
+    body["choices"] = [{"index": 0, "text": tr.parsed.echo, "logprobs": lp, "finish_reason": None}]
+    return sse(body)
 
 
 def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
@@ -206,6 +222,8 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         head["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}]
         out.append(sse(head))
+    if kind == "completion" and first and tr.parsed.echo is not None:
+        out.append(_echo_chunk(tr))
     if not delta and not tr.finished:
         return out
     pairs = tr.take_logprobs() if tr.parsed.logprobs else []
@@ -216,7 +234,7 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
     else:
         body = _head(tr, "text_completion")
         choice = {"index": 0, "text": delta,
-                  "logprobs": _completion_logprobs(tr, pairs) if pairs else None}
+                  "logprobs": _completion_logprobs(tr, [], pairs) if pairs else None}
     choice["finish_reason"] = _openai_finish(tr)
     body["choices"] = [choice]
     if tr.parsed.token_ids:

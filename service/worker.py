@@ -30,7 +30,8 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     and tracing is on in this process)."""
     return Req(
         rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling, stream=msg.stream,
-        return_logprob=msg.return_logprob, bootstrap_host=msg.bootstrap_host,
+        return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+        logprob_start_len=msg.logprob_start_len, bootstrap_host=msg.bootstrap_host,
         bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
         trace=ReqTrace.for_msg(msg.traceparent, role),
     )
@@ -42,18 +43,27 @@ def token_out(r: Req) -> m.TokenOut:
         r.trace.annotate("running", completion_tokens=len(r.output_ids), retractions=r.retractions,
                     finish_reason=r.finish_reason.value if r.finish_reason else "")
         r.trace.close(r.error if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) else None)
-    new = r.output_ids[r.sent_tokens :]
-    lps = r.output_logprobs[r.sent_tokens :] if r.return_logprob else []
+    sent = r.sent_tokens
     r.sent_tokens = len(r.output_ids)
-    inp: list[float] = []
-    if r.return_logprob and not r.input_logprobs_sent and r.input_logprobs:
-        inp, r.input_logprobs_sent = list(r.input_logprobs), True
-    return m.TokenOut(
-        rid=r.rid, new_token_ids=list(new), new_logprobs=list(lps), input_logprobs=inp,
+    out = m.TokenOut(
+        rid=r.rid, new_token_ids=r.output_ids[sent:],
         finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
         matched_stop=r.matched_stop, error=r.error, error_code=r.error_code, fault=r.error_fault,
         prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
     )
+    if r.return_logprob:
+        _logprobs_out(r, sent, out)
+    return out
+
+
+def _logprobs_out(r: Req, sent: int, out: m.TokenOut) -> None:
+    out.new_logprobs = r.output_logprobs[sent:]
+    out.new_top_logprobs = [[ids, lps] for ids, lps in r.output_top_logprobs[sent:]]
+    if r.input_logprobs_done and not r.input_logprobs_sent:  # once, by whoever computed the prompt
+        r.input_logprobs_sent = True
+        out.input_start = r.logprob_start_len
+        out.input_logprobs = list(r.input_logprobs)
+        out.input_top_logprobs = [[ids, lps] for ids, lps in r.input_top_logprobs]
 
 
 def error_out(rid: str, message: str, code: int) -> m.TokenOut:

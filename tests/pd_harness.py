@@ -23,8 +23,11 @@ def kv_manager(runner: ModelRunner) -> KVManager:
     return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
 
 
-def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut]) -> None:
+def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut],
+            seen: list[m.TokenOut] | None = None) -> None:
     for o in outs:
+        if seen is not None:
+            seen.append(o)
         tokens.setdefault(o.rid, []).extend(o.new_token_ids)
         if o.finished:
             done[o.rid] = o
@@ -61,25 +64,29 @@ class PDPair:
         self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold)
 
     def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 120.0,
-            on_step: Callable[[PDPair], None] | None = None,
+            on_step: Callable[[PDPair], None] | None = None, fields: dict | None = None,
+            seen: list[m.TokenOut] | None = None,
             ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
         """Serve every prompt (rids r0, r1, ...): (decode tokens by rid, decode's last TokenOut by
-        rid, prefill's last TokenOut by rid). `on_step` runs after each pair of steps."""
+        rid, prefill's last TokenOut by rid). `on_step` runs after each pair of steps; `fields` are
+        extra GenerateReq fields (logprobs); every decode TokenOut is appended to `seen`."""
+        extra = fields or {}
+        seen = [] if seen is None else seen
         p_done: dict[str, m.TokenOut] = {}
         tokens: dict[str, list[int]] = {}
         d_done: dict[str, m.TokenOut] = {}
         for i, ids in enumerate(prompts):
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.p_mgr.bootstrap_port,
-                    "bootstrap_room": 100 + i}
+                    "bootstrap_room": 100 + i, **extra}
             collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)), {}, p_done)
             collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)),
-                    tokens, d_done)
+                    tokens, d_done, seen)
         deadline = time.monotonic() + timeout_s
         while len(d_done) < len(prompts) or len(p_done) < len(prompts):
             assert time.monotonic() < deadline, f"stuck: prefill {self.prefill.stats()['queues']}, " \
                                                 f"decode {self.decode.stats()}"
             collect(self.prefill.step(), {}, p_done)
-            collect(self.decode.step(), tokens, d_done)
+            collect(self.decode.step(), tokens, d_done, seen)
             if on_step is not None:
                 on_step(self)
             if not (self.prefill.has_work() or self.decode.has_work()):

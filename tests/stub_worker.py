@@ -87,8 +87,9 @@ class StubWorker:
                          completion_tokens=len(r.out))
         if r.msg.return_logprob:
             out.new_logprobs = [-0.5]
-            if not r.sent_input_lp:
-                out.input_logprobs = [-1.0] * (len(r.msg.input_ids) - 1)
+            if not r.sent_input_lp and r.msg.logprob_start_len >= 0:
+                out.input_start = r.msg.logprob_start_len
+                out.input_logprobs = [-1.0] * (len(r.msg.input_ids) - max(1, r.msg.logprob_start_len))
                 r.sent_input_lp = True
         text = self.tok.decode(r.out, skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in text), None)

@@ -109,7 +109,7 @@ def test_openai_chat_and_completions_match_colocated(cluster, stream):
 
 
 def test_generate_merges_input_logprobs(cluster):
-    body = {"text": "hello", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True, "logprob_start_len": 0}
     r = httpx.post(cluster["router"].url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["input_token_logprobs"] == [[-0.5, i, None] for i in range(3)]

@@ -148,6 +148,62 @@ def test_openai_client_through_router_matches_colocated(services, stream):
         assert expected and _complete(via, model, stream) == expected
 
 
+def _chat_logprobs(c: openai.OpenAI, model: str, stream: bool) -> list:
+    kw = {"model": model, "messages": [{"role": "user", "content": "Name three primary colors."}],
+          "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 5}
+    if not stream:
+        return list(c.chat.completions.create(**kw).choices[0].logprobs.content)
+    return [t for ch in c.chat.completions.create(**kw, stream=True) if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.content]
+
+
+def _close(a: list, b: list) -> None:
+    assert [t.token for t in a] == [t.token for t in b]
+    for x, y in zip(a, b):
+        assert abs(x.logprob - y.logprob) < 1e-3 and len(x.top_logprobs) == len(y.top_logprobs) == 5
+        assert [t.token for t in x.top_logprobs][0] == x.token  # greedy: the chosen token is the best
+        assert max(abs(p.logprob - q.logprob) for p, q in zip(x.top_logprobs, y.top_logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_through_router_match_colocated(services, stream):
+    """Issue 16 part 3: top_logprobs=5 (the first token's from the prefill, the rest from the decode)."""
+    router_url, colo_url = services
+    via, colo = _client(router_url), _client(colo_url)
+    model = via.models.list().data[0].id
+    _close(_chat_logprobs(via, model, stream), _chat_logprobs(colo, model, stream))
+
+
+def test_echo_and_native_logprobs_through_router_match_colocated(services):
+    """Completions echo with prompt logprobs (the prefill's, joined by the router), SGLang's
+    top_logprobs_num and logprob_start_len, and a bad top_logprobs refused with a 400."""
+    router_url, colo_url = services
+    via, colo = _client(router_url), _client(colo_url)
+    model = via.models.list().data[0].id
+    kw = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+          "logprobs": 2, "echo": True}
+    got, want = via.completions.create(**kw), colo.completions.create(**kw)
+    assert got.choices[0].text == want.choices[0].text and got.choices[0].text.startswith(kw["prompt"])
+    g, w = got.choices[0].logprobs, want.choices[0].logprobs
+    assert g.tokens == w.tokens and g.text_offset == w.text_offset and g.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(g.token_logprobs[1:], w.token_logprobs[1:])) < 1e-3
+    chunks = [ch.choices[0] for ch in via.completions.create(**kw, stream=True) if ch.choices]
+    assert "".join(c.text for c in chunks) == want.choices[0].text  # the echoed prompt first, then the deltas
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == w.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == w.text_offset
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
+    metas = [httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"] for url in services]
+    for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs"):
+        assert len(metas[0][key]) == len(metas[1][key]) > 0, key
+    assert metas[0]["input_token_logprobs"][0][0] is None
+    assert max(abs(a[0] - b[0]) for a, b in zip(metas[0]["input_token_logprobs"][1:],
+                                               metas[1]["input_token_logprobs"][1:])) < 1e-3
+    bad = httpx.post(router_url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50})
+    assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
+
+
 # ---- issue 18: traces, JSON request logs, dashboard queries ----------------------------------------
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"
 PROMPT = ("Name the three primary colors of light and explain, in one short sentence each, how a screen mixes "

@@ -78,10 +78,10 @@ def _out(rid: str, text: str, **kw) -> TokenOut:  # noqa: ANN003
 
 def test_native_response_with_stop_trim_and_logprobs() -> None:
     tok = CharTok()
-    p = parse_generate({"text": "abc", "rid": "r", "return_logprob": True,
+    p = parse_generate({"text": "abc", "rid": "r", "return_logprob": True, "logprob_start_len": 0,
                         "sampling_params": {"stop": "XY"}}, tok, LIM)
     tr = RequestTracker(p, tok, 0.0)
-    tr.consume(_out("r", "hi", new_logprobs=[-0.1, -0.2], input_logprobs=[-1.0, -2.0]))
+    tr.consume(_out("r", "hi", new_logprobs=[-0.1, -0.2], input_start=0, input_logprobs=[-1.0, -2.0]))
     tr.consume(_out("r", "XY", new_logprobs=[-0.3, -0.4], finished=True, finish_reason="stop",
                     matched_stop="XY", prompt_tokens=3, completion_tokens=4))
     body = final_body(tr)

@@ -201,7 +201,10 @@ BAD = [
     ("/v1/completions", {"prompt": "a", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 3}, "'n'"),
-    ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 9}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "a " * 5000}, "context length"),
     ("/v1/chat/completions", {"messages": "hello"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "empty"),
@@ -219,6 +222,19 @@ def test_bad_input_is_4xx_with_message(colo: Service, path: str, body, match: st
     assert 400 <= r.status_code < 500, r.text
     assert match in r.json()["error"]["message"]
     assert colo.client.get("/health").status_code == 200
+
+
+def test_openapi_documents_the_generation_endpoints(colo: Service) -> None:
+    from tests.unit.test_openapi import check_openapi
+
+    r = colo.client.get("/openapi.json")
+    assert r.status_code == 200
+    check_openapi(r.json())
+    assert colo.client.get("/docs").status_code == 200
+    # the one parse stays protocol.py's: its message, not a pydantic validation error
+    bad = colo.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "logprobs": True, "top_logprobs": 50})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "'top_logprobs' must be in 0..20, got 50"
 
 
 def test_unknown_path_and_method_are_json_errors(colo: Service) -> None:
@@ -279,7 +295,7 @@ def test_prefill_needs_token_and_bootstrap_fields(pre: Service) -> None:
                       {"bootstrap_room": 2**64}, {"bootstrap_host": ""}):
             r = c.post(path, json={**base, **BOOT, **patch})
             assert r.status_code == 400 and next(iter(patch)) in r.json()["error"]["message"]
-    r = c.post("/generate", json={"text": "hello world", "return_logprob": True, **BOOT})
+    r = c.post("/generate", json={"text": "hello world", "return_logprob": True, "logprob_start_len": 0, **BOOT})
     body = r.json()
     assert r.status_code == 200 and len(body["output_ids"]) == 1
     assert body["meta_info"]["bootstrap_room"] == 12345
@@ -310,3 +326,4 @@ def test_sigterm_drains_in_flight_then_exits_0(colo: Service) -> None:
     assert last["meta_info"]["finish_reason"]["type"] == "length"
     assert last["meta_info"]["completion_tokens"] == 150
     assert colo.proc.wait(30) == 0
+

@@ -146,7 +146,8 @@ def test_completion_mapping() -> None:
     ({"prompt": ["a", "b"]}, "one prompt"),
     ({"prompt": {"a": 1}}, "string or a list"),
     ({"prompt": "a", "n": 2}, "'n'"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "echo": 1}, "echo"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
     ({"prompt": "a", "max_tokens": 0}, "max_new_tokens"),
     ({"prompt": "a", "max_tokens": -1}, "max_new_tokens"),
@@ -191,7 +192,9 @@ def test_chat_content_string_and_text_parts() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "text"),
     ({"messages": ["hi"]}, "object"),
     ({"messages": [{"role": "user", "content": "x" * 80}]}, "context length"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs 'logprobs': true"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, r"0\.\.20"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": "5"}, "integer"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "response_format"),
@@ -225,3 +228,28 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
     g = parse_generate({"text": "a", "sampling_params": {"min_new_tokens": 2, "repetition_penalty": 1.1,
                                                          "logit_bias": {"5": 1}}}, TOK, COLO)
     assert g.req.sampling.min_new_tokens == 2 and g.req.sampling.logit_bias == ((5, 1.0),)
+
+
+def test_logprob_fields_reach_the_worker_request() -> None:
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20},
+                      TOK, COLO)
+    assert (chat.req.return_logprob, chat.req.top_logprobs_num, chat.req.logprob_start_len) == (True, 20, -1)
+    comp = parse_completion({"prompt": "abc", "logprobs": 3, "echo": True}, TOK, COLO)
+    assert (comp.req.top_logprobs_num, comp.req.logprob_start_len, comp.echo) == (3, 0, "abc")
+    plain = parse_completion({"prompt": "abc", "echo": True}, TOK, COLO)  # echo alone: text, no logprobs
+    assert not plain.req.return_logprob and plain.req.logprob_start_len == -1 and plain.echo == "abc"
+    gen = parse_generate({"text": "abcd", "return_logprob": True, "top_logprobs_num": 4,
+                          "logprob_start_len": 2}, TOK, COLO)
+    assert (gen.req.top_logprobs_num, gen.req.logprob_start_len) == (4, 2)
+    off = parse_generate({"text": "abcd", "logprob_start_len": 2}, TOK, COLO)  # ignored without return_logprob
+    assert not off.req.return_logprob and off.req.logprob_start_len == -1
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"text": "abc", "top_logprobs_num": 3}, "needs 'return_logprob'"),
+    ({"text": "abc", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "abc", "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
+    ({"text": "abc", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+])
+def test_generate_rejects_bad_logprob_fields(body: dict, match: str) -> None:
+    bad(parse_generate, body, match=match)

@@ -126,9 +126,13 @@ def test_parse_request_checks_and_estimates():
             "sampling_params": {"max_new_tokens": 4},
             "stream": True,
             "return_logprob": True,
+            "logprob_start_len": 0,
         },
     )
     assert r.stream and r.prompt_tokens == 3 and r.input_logprobs
+    # SGLang's default logprob_start_len -1: output logprobs only, the prefill's answer is not awaited
+    assert not parse_request("/generate", {"input_ids": [1], "return_logprob": True}).input_logprobs
+    assert parse_request("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 0}).input_logprobs
     body = r.prefill_body("h", 9, 123)
     assert body["stream"] is False and body["bootstrap_room"] == 123 and r.decode_body("h", 9, 1)["stream"]
     bad = [
