@@ -34,6 +34,14 @@ class Sampled(Protocol):
     input_ids: list[int]
     output_ids: list[int]
     sampling: SamplingParams
+    resumed_tokens: int  # the prompt's last N ids are output of an earlier leg (migration)
+
+
+def generated(r: Sampled) -> list[int]:
+    """Every token the request generated so far, including those an earlier decode streamed before a
+    migration (the tail of its prompt now): seeded positions and the penalties count them all."""
+    n = r.resumed_tokens
+    return (r.input_ids[len(r.input_ids) - n :] + r.output_ids) if n else r.output_ids
 
 
 def draw_seed(sp: SamplingParams, rid: str, default_seed: int, position: int) -> int:
@@ -50,18 +58,19 @@ def process_logits(row: torch.Tensor, r: Sampled, eos_ids: Sequence[int]) -> tor
     while fewer than min_new_tokens were generated, EOS and stop_token_ids banned."""
     sp = r.sampling
     row = row.clone()
+    out = generated(r)
     if sp.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-    if (sp.frequency_penalty or sp.presence_penalty) and r.output_ids:
-        counts = Counter(r.output_ids)
+    if (sp.frequency_penalty or sp.presence_penalty) and out:
+        counts = Counter(out)
         ids = torch.tensor(list(counts), dtype=torch.long)
         n = torch.tensor(list(counts.values()), dtype=row.dtype)
         row[ids] -= sp.frequency_penalty * n + sp.presence_penalty
     for tok, bias in sp.logit_bias:
         row[tok] += bias
-    if len(r.output_ids) < sp.min_new_tokens:
+    if len(r.output_ids) < sp.min_new_tokens:  # a resumed request's min is already net of its earlier leg
         banned = [t for t in (*eos_ids, *sp.stop_token_ids) if 0 <= t < row.shape[0]]
         if banned:
             row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
@@ -107,5 +116,5 @@ class Sampler:
         if sp.min_p > 0.0:
             probs = torch.where(probs >= sp.min_p * probs.max(), probs, torch.zeros_like(probs))
         g = torch.Generator()
-        g.manual_seed(draw_seed(sp, r.rid, self.default_seed, len(r.output_ids)))
+        g.manual_seed(draw_seed(sp, r.rid, self.default_seed, len(generated(r))))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=g))

@@ -41,6 +41,9 @@ class GenerateReq:
     bootstrap_room: int | None = None
     # W3C traceparent of the frontend's span for this request; "" = not traced
     traceparent: str = ""
+    # a migrated stream: the prompt's last `resumed_tokens` ids are output an earlier decode streamed
+    # (sampling treats them as output: seeded positions, penalties and min_new_tokens continue)
+    resumed_tokens: int = 0
     version: int = VERSION
 
 

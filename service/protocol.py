@@ -111,12 +111,16 @@ def _resumed(body: dict[str, Any], ids: list[int], sampling: dict[str, Any],
             raise RequestError(f"'{RESUME_KEY}' holds {len(resume.output_ids)} tokens: nothing left of "
                                f"max tokens {budget}")
         sampling["max_new_tokens"] = budget - len(resume.output_ids)
+    low = sampling.get("min_new_tokens")
+    if _is_int(low):
+        sampling["min_new_tokens"] = max(0, low - len(resume.output_ids))
     return ids + resume.output_ids, resume
 
 
 def _apply_resume(parsed: ParsedRequest, resume: Resume | None) -> None:
     if resume is not None:
         parsed.resumed, parsed.response_id = list(resume.output_ids), resume.response_id
+        parsed.req = dataclasses.replace(parsed.req, resumed_tokens=len(resume.output_ids))
         if resume.created is not None:
             parsed.created = resume.created
 

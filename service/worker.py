@@ -33,7 +33,7 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
         return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
         logprob_start_len=msg.logprob_start_len, bootstrap_host=msg.bootstrap_host,
         bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
-        trace=ReqTrace.for_msg(msg.traceparent, role),
+        trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
     )
 
 

@@ -253,3 +253,11 @@ def test_logprob_fields_reach_the_worker_request() -> None:
 ])
 def test_generate_rejects_bad_logprob_fields(body: dict, match: str) -> None:
     bad(parse_generate, body, match=match)
+
+
+def test_a_resumed_stream_tells_the_sampler_how_many_prompt_ids_were_output() -> None:
+    body = {"prompt": "a", "max_tokens": 10, "min_tokens": 5, "stream": True,
+            "pd_resume": {"output_ids": [7, 8, 9], "id": "cmpl-x", "created": 1}}
+    p = parse_completion(body, TOK, COLO)
+    assert p.req.resumed_tokens == 3 and p.req.input_ids[-3:] == [7, 8, 9]
+    assert (p.req.sampling.max_new_tokens, p.req.sampling.min_new_tokens) == (7, 2)

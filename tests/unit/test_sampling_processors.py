@@ -28,6 +28,7 @@ class R:
     input_ids: list[int]
     output_ids: list[int]
     sampling: SamplingParams
+    resumed_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -83,6 +84,19 @@ def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     batch = [R("y", [5, 6], [1] * 3, sp), R("z", [2], [], SamplingParams(temperature=1.0, seed=5))]
     assert other.sample(flat.expand(2, -1), batch, False)[0][0] == draws[3]
     assert len(set(draws)) > 4  # positions are not all the same draw
+
+
+def test_a_migrated_request_samples_as_if_it_had_not_moved() -> None:
+    """After a migration the tokens streamed so far are the tail of the new prompt (resumed_tokens):
+    seeded positions and penalties still count them as output, so the next draw is the same."""
+    row = _logits(4)
+    sp = SamplingParams(temperature=1.0, seed=11, frequency_penalty=0.9, presence_penalty=0.4)
+    prompt, streamed = [1, 2, 3], [7, 7, 9]
+    original = R("a", prompt, list(streamed), sp)
+    moved = R("b", prompt + streamed, [], sp, resumed_tokens=len(streamed))
+    torch.testing.assert_close(process_logits(row, moved, [EOS]), process_logits(row, original, [EOS]))
+    draws = {Sampler(d).sample(row[None], [r], False)[0][0] for d in (0, 5) for r in (original, moved)}
+    assert len(draws) == 1
 
 
 @pytest.fixture(scope="module")
