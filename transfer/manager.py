@@ -68,6 +68,7 @@ class TransferManager:
         if config.progress_thread:
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)  # a full pipe already holds a wake-up
             self._bg = threading.Thread(target=self._bg_loop, name="kv-transfer-progress", daemon=True)
             self._bg.start()
 
@@ -137,7 +138,10 @@ class TransferManager:
             yield
         finally:
             self._bg_on.clear()
-            os.write(self._wake_w, b"x")  # cut the thread's idle wait short
+            try:
+                os.write(self._wake_w, b"x")  # cut the thread's idle wait short
+            except BlockingIOError:
+                pass
             self._lock.acquire()
 
     def _bg_loop(self) -> None:
