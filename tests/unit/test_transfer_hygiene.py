@@ -79,8 +79,10 @@ def test_prefill_sockets_drop_and_count_garbage(pair):
     zctx = zmq.Context()
     try:
         sent = 0
+        socks = []  # kept open until counted: a collected socket with LINGER 0 drops what it had queued
         for endpoint in (f"tcp://{addr}", p._side.control.endpoint):
             sock = zctx.socket(zmq.DEALER)
+            socks.append(sock)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             for frames in garbage(6):
