@@ -77,7 +77,7 @@ class BatchExecutor:
             return []
         reqs = [r for r, _ in items]
         logits = torch.stack([lg for _, lg in items])  # [B, V] fp32
-        tokens, _ = self.sampler.sample(logits, reqs, False)
+        tokens = self.sampler.sample(logits, reqs)
         want = [i for i, r in enumerate(reqs) if r.return_logprob]
         if want:  # only the rows that asked: no softmax over the vocabulary otherwise
             k = max(reqs[i].top_logprobs_num for i in want)

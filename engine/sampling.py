@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 
-from engine.logprobs import token_logprobs
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys apart
@@ -82,24 +81,18 @@ class Sampler:
         self.default_seed = default_seed
         self.eos_ids = tuple(eos_ids)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Sampled], want_logprobs: bool,
-               ) -> tuple[list[int], list[float]]:
-        """logits: fp32 [B, V] -> (token ids [B], logprobs of the chosen tokens [B] or [])."""
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Sampled]) -> list[int]:
+        """logits: fp32 [B, V] -> token ids [B] (logprobs: engine.logprobs, from the raw logits)."""
         tokens = torch.argmax(logits, dim=-1).tolist()
         for i, r in enumerate(reqs):
             sp = r.sampling
+            if sp.greedy and not sp.has_processors:
+                continue  # the batch argmax above
+            row = logits[i].float().cpu()
             if sp.has_processors:
-                row = process_logits(logits[i].float().cpu(), r, self.eos_ids)
-            elif sp.greedy:
-                continue
-            else:
-                row = logits[i].float().cpu()
-            if sp.greedy:
-                tokens[i] = int(torch.argmax(row))
-                continue
-            tokens[i] = self._draw(row, r)
-        logprobs = token_logprobs(logits, tokens, 0)[0] if want_logprobs else []
-        return tokens, logprobs
+                row = process_logits(row, r, self.eos_ids)
+            tokens[i] = int(torch.argmax(row)) if sp.greedy else self._draw(row, r)
+        return tokens
 
     def _draw(self, row: torch.Tensor, r: Sampled) -> int:
         sp = r.sampling

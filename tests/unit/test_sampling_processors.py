@@ -62,8 +62,8 @@ def test_min_new_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     s = Sampler(0, [EOS])
     before = R("a", [1], [3], sp)  # one token generated: EOS and 11 still banned
     after = R("a", [1], [3, 4], sp)
-    assert s.sample(row[None], [before], False)[0][0] not in (EOS, 11)
-    assert s.sample(row[None], [after], False)[0][0] == EOS
+    assert s.sample(row[None], [before])[0] not in (EOS, 11)
+    assert s.sample(row[None], [after])[0] == EOS
 
 
 def test_logit_bias_moves_greedy_and_sampled_choices() -> None:
@@ -71,18 +71,18 @@ def test_logit_bias_moves_greedy_and_sampled_choices() -> None:
     target = int(torch.argmin(row))
     for temp in (0.0, 0.7):
         sp = SamplingParams(temperature=temp, seed=3, logit_bias=((target, 100.0),))
-        assert Sampler().sample(row[None], [R("a", [1], [], sp)], False)[0] == [target]
+        assert Sampler().sample(row[None], [R("a", [1], [], sp)]) == [target]
 
 
 def test_seeded_draws_depend_on_seed_and_position_only() -> None:
     flat = torch.zeros(1000)
     sp = SamplingParams(temperature=1.0, seed=42)
     s = Sampler(default_seed=7)
-    draws = [s.sample(flat[None], [R("x", [1], [0] * k, sp)], False)[0][0] for k in range(8)]
+    draws = [s.sample(flat[None], [R("x", [1], [0] * k, sp)])[0] for k in range(8)]
     # the same position gives the same token whatever the rid, the batch or the engine's default seed
     other = Sampler(default_seed=99)
     batch = [R("y", [5, 6], [1] * 3, sp), R("z", [2], [], SamplingParams(temperature=1.0, seed=5))]
-    assert other.sample(flat.expand(2, -1), batch, False)[0][0] == draws[3]
+    assert other.sample(flat.expand(2, -1), batch)[0] == draws[3]
     assert len(set(draws)) > 4  # positions are not all the same draw
 
 
@@ -95,7 +95,7 @@ def test_a_migrated_request_samples_as_if_it_had_not_moved() -> None:
     original = R("a", prompt, list(streamed), sp)
     moved = R("b", prompt + streamed, [], sp, resumed_tokens=len(streamed))
     torch.testing.assert_close(process_logits(row, moved, [EOS]), process_logits(row, original, [EOS]))
-    draws = {Sampler(d).sample(row[None], [r], False)[0][0] for d in (0, 5) for r in (original, moved)}
+    draws = {Sampler(d).sample(row[None], [r])[0] for d in (0, 5) for r in (original, moved)}
     assert len(draws) == 1
 
 
