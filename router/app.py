@@ -29,6 +29,7 @@ from router.discovery_k8s import K8sDiscovery
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.policies import make_policy
+from router.prefix_index import PrefixIndex
 from router.protocol import BadRequest, error_body
 from router.proxy import Proxy
 from router.registry import Registry
@@ -50,7 +51,11 @@ class RouterState:
         self.client = WorkerClient(cfg.internal_token, cfg.connect_timeout_s, cfg.request_timeout_s)
         policies = {
             role: make_policy(
-                name, cfg.cache_prefix_chars, cfg.balance_abs_threshold, cfg.balance_rel_threshold
+                name,
+                cfg.cache_threshold,
+                cfg.balance_abs_threshold,
+                cfg.balance_rel_threshold,
+                PrefixIndex(cfg.cache_tree_chars),
             )
             for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))
         }

@@ -89,7 +89,8 @@ class RouterConfig:
     worker_wait_s: float = 15.0  # a request waits this long for an eligible worker of a role, then 503
     api_keys: frozenset[str] = frozenset()  # empty = no client auth
     internal_token: str | None = None  # sent to workers in header x-pdserve-token
-    cache_prefix_chars: int = 256  # prompt prefix hashed by cache_aware
+    cache_threshold: float = 0.3  # cache_aware: least share of the prompt a worker's tree must hold
+    cache_tree_chars: int = 4_000_000  # cache_aware: prompt characters remembered per worker (LRU)
     balance_abs_threshold: int = 4  # cache_aware falls back to load when the gap exceeds both
     balance_rel_threshold: float = 1.5
     k8s: K8sConfig = field(default_factory=K8sConfig)
@@ -112,8 +113,10 @@ class RouterConfig:
         need(self.health_interval_s > 0, "--health-interval must be > 0")
         need(self.health_failures >= 1, "--health-failures must be >= 1")
         need(self.worker_wait_s >= 0, "--worker-wait must be >= 0")
-        need(self.cache_prefix_chars >= 1, "cache_prefix_chars must be >= 1")
-        need(self.balance_rel_threshold >= 1.0, "balance_rel_threshold must be >= 1")
+        need(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in 0..1")
+        need(self.cache_tree_chars >= 64, "--cache-tree-chars must be >= 64")
+        need(self.balance_abs_threshold >= 0, "--balance-abs-threshold must be >= 0")
+        need(self.balance_rel_threshold >= 1.0, "--balance-rel-threshold must be >= 1")
         need(self.processes >= 1, "--workers must be >= 1")
         urls = [w.url for w in self.workers]
         dup = {u for u in urls if urls.count(u) > 1}

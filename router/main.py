@@ -47,6 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"how a decode worker is picked (default {d.decode_policy})",
     )
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=None,
+        help=f"cache_aware: a worker wins on its prefix tree when that tree holds at least this share of "
+        f"the prompt (default {d.cache_threshold:g}); below it, the least loaded worker",
+    )
+    p.add_argument(
+        "--cache-tree-chars",
+        type=int,
+        default=None,
+        help=f"cache_aware: prompt characters remembered per worker, least recently routed dropped first "
+        f"(default {d.cache_tree_chars})",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=None,
+        help=f"cache_aware: fall back to least_load when the chosen worker has this many more outstanding "
+        f"requests than the least loaded one (default {d.balance_abs_threshold}) ...",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=None,
+        help=f"... and more than this multiple of its requests (default {d.balance_rel_threshold:g})",
+    )
     p.add_argument("--k8s-selector", default="", help="discover worker pods by this label selector")
     p.add_argument("--k8s-namespace", default=k.namespace, help="namespace of the worker pods")
     p.add_argument(
@@ -144,6 +171,10 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         "health_failures": ns.health_failures,
         "worker_wait_s": ns.worker_wait,
         "processes": ns.workers,
+        "cache_threshold": ns.cache_threshold,
+        "cache_tree_chars": ns.cache_tree_chars,
+        "balance_abs_threshold": ns.balance_abs_threshold,
+        "balance_rel_threshold": ns.balance_rel_threshold,
     }
     kw.update({key: value for key, value in flags.items() if value is not None})
     if ns.api_key_file:

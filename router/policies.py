@@ -6,19 +6,21 @@ failed this request before calling, and fall back to the full list if nothing is
 
 - round_robin   rotates through the candidates.
 - least_load    fewest outstanding requests, ties by fewest outstanding tokens, then rotation.
-- cache_aware   rendezvous hash of the prompt prefix -> a stable worker per prefix (so requests sharing
-                a prefix land where their prefix is cached), unless that worker's outstanding requests
-                exceed the least loaded one's by both `abs_threshold` and `rel_threshold`x; then
-                least_load. Rendezvous hashing moves only the removed worker's prefixes when the
-                worker set changes.
+- cache_aware   an approximate per-worker prefix tree of the prompts routed so far
+                (router/prefix_index.py). The worker whose tree holds the longest prefix of the prompt
+                wins when that prefix is at least `threshold` of the prompt (ties: least loaded);
+                otherwise the least loaded worker, ties broken by the smallest tree (the most room for
+                a new prefix). Load guard: when the winner's outstanding requests exceed the least
+                loaded one's by both `abs_threshold` and `rel_threshold`x, least_load decides, so
+                one hot prefix cannot pin a worker. The picked worker's tree then holds the prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from typing import Protocol
 
+from router.prefix_index import PrefixIndex
 from router.registry import Worker
 
 
@@ -48,40 +50,46 @@ class LeastLoad:
         return tied[next(self._counter) % len(tied)]
 
 
-def _score(prefix: str, url: str) -> int:
-    digest = hashlib.blake2b(f"{url}\0{prefix}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
 class CacheAware:
-    def __init__(self, prefix_chars: int, abs_threshold: int, rel_threshold: float) -> None:
-        self._prefix_chars = prefix_chars
+    def __init__(
+        self, index: PrefixIndex, threshold: float = 0.3, abs_threshold: int = 4, rel_threshold: float = 1.5
+    ) -> None:
+        self.index = index
+        self._threshold = threshold
         self._abs = abs_threshold
         self._rel = rel_threshold
         self._fallback = LeastLoad()
 
-    def affinity(self, candidates: list[Worker], prefix: str) -> Worker:
-        key = prefix[: self._prefix_chars]
-        return max(candidates, key=lambda w: _score(key, w.url))
+    def by_cache(self, candidates: list[Worker], chain: list[int]) -> Worker:
+        if chain:
+            scored = [(self.index.matched(w.url, chain), w) for w in candidates]
+            best = max(n for n, _ in scored)
+            if best and best >= self._threshold * len(chain):
+                return min((w for n, w in scored if n == best), key=lambda w: (w.outstanding_requests, w.url))
+        return min(candidates, key=lambda w: (w.outstanding_requests, self.index.size(w.url), w.url))
 
     def pick(self, candidates: list[Worker], prefix: str) -> Worker:
-        if not prefix:
-            return self._fallback.pick(candidates, prefix)
-        chosen = self.affinity(candidates, prefix)
+        chain = self.index.chain(prefix)
+        chosen = self.by_cache(candidates, chain)
         least = min(w.outstanding_requests for w in candidates)
         load = chosen.outstanding_requests
         if load - least > self._abs and load > least * self._rel:
-            return self._fallback.pick(candidates, prefix)
+            chosen = self._fallback.pick(candidates, prefix)
+        self.index.insert(chosen.url, chain)
         return chosen
 
 
 def make_policy(
-    name: str, prefix_chars: int = 256, abs_threshold: int = 4, rel_threshold: float = 1.5
+    name: str,
+    cache_threshold: float = 0.3,
+    abs_threshold: int = 4,
+    rel_threshold: float = 1.5,
+    index: PrefixIndex | None = None,
 ) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
     if name == "cache_aware":
-        return CacheAware(prefix_chars, abs_threshold, rel_threshold)
+        return CacheAware(index or PrefixIndex(), cache_threshold, abs_threshold, rel_threshold)
     raise ValueError(f"unknown policy {name!r}")

@@ -12,6 +12,7 @@ from router.discovery_k8s import pod_worker
 from router.main import build_parser, config_from_args
 from router.metrics import RouterMetrics
 from router.policies import CacheAware, LeastLoad, RoundRobin
+from router.prefix_index import PrefixIndex
 from router.protocol import BadRequest, merge_input_logprobs, parse_request
 from router.registry import Registry
 from router.sse import DONE, SSEReader, event_json
@@ -102,16 +103,46 @@ def test_round_robin_and_least_load():
 
 def test_cache_aware_affinity_and_fallback():
     _, ws = _workers(4)
-    ca = CacheAware(prefix_chars=32, abs_threshold=2, rel_threshold=1.5)
+    ca = CacheAware(PrefixIndex(block_chars=16), threshold=0.3, abs_threshold=2, rel_threshold=1.5)
     system = "You are a helpful assistant. " * 3
     first = ca.pick(ws, system + "question one")
-    assert all(ca.pick(ws, system + f"question {i}") is first for i in range(20))  # same 32-char prefix
-    spread = {ca.pick(ws, f"{i} unrelated prompt").url for i in range(40)}
-    assert len(spread) >= 3  # different prefixes spread over workers
+    assert all(ca.pick(ws, system + f"question {i}") is first for i in range(20))  # the shared prefix wins
+    spread = {ca.pick(ws, f"{i} unrelated prompt of some length").url for i in range(40)}
+    assert len(spread) == 4  # new prefixes go to the worker with the smallest tree
     first.outstanding_requests = 10  # unbalanced: fall back to the least loaded
-    assert ca.pick(ws, system) is not first
-    first.outstanding_requests = 2  # within thresholds: keep affinity
-    assert ca.pick(ws, system) is first
+    other = ca.pick(ws, system)
+    assert other is not first
+    first.outstanding_requests = 2  # within thresholds: the longest match wins over load
+    assert ca.pick(ws, system + "question 5") is first  # `other` holds only the system prompt
+    assert ca.pick(ws, system) is other  # both hold all of it: the less loaded
+
+
+def test_cache_aware_follows_a_conversation():
+    """Each turn extends the last: it lands where the conversation's earlier turns went, although an
+    unrelated prompt that shares only the first block was routed elsewhere meanwhile."""
+    _, ws = _workers(3)
+    ca = CacheAware(PrefixIndex(block_chars=8), threshold=0.5)
+    homes = {}
+    for turn in range(6):
+        for conv in range(6):
+            prompt = "".join(f"conv {conv} turn {t}: some text. " for t in range(turn + 1))
+            w = ca.pick(ws, prompt)
+            assert homes.setdefault(conv, w) is w, (conv, turn)
+    assert len({w.url for w in homes.values()}) == 3  # and the conversations spread over the workers
+
+
+def test_prefix_index_matches_blocks_and_evicts_leaves_first():
+    ix = PrefixIndex(max_chars=4 * 4, block_chars=4)
+    a, b = ix.chain("aaaabbbbcccc"), ix.chain("aaaabbbbdddd")
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert ix.chain("aaaabbbbcc") == a[:2]  # a partial block is not named
+    ix.insert("w", a, now=0)
+    assert ix.matched("w", b) == 2 and ix.matched("w", a) == 3 and ix.matched("v", a) == 0
+    ix.insert("w", b, now=1)  # 4 blocks held: a's first two, a's third, b's third
+    ix.insert("w", ix.chain("eeee"), now=2)  # 5 > 4: the least recent leaf (a's third) goes
+    assert ix.matched("w", a) == 2 and ix.matched("w", b) == 3 and ix.size("w") == 4
+    ix.insert("v", a, now=1000)  # w idle past idle_s: its tree is dropped
+    assert ix.size("w") == 0 and ix.matched("v", a) == 3
 
 
 def test_parse_request_checks_and_estimates():
