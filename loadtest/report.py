@@ -21,7 +21,7 @@ def write_json(path: Path, config: dict, summary: dict, results: list[RequestRes
     return path
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +42,7 @@ def _series(results: list[RequestResult]) -> dict[str, list[float]]:
 
 def plot_cdfs(path: Path, runs: dict[str, list[RequestResult]], title: str = "") -> Path:
     """One panel per metric; one line per run label (e.g. "pd" and "colocated")."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     plotted = [False] * 4
     for label, results in runs.items():
@@ -71,7 +71,7 @@ def plot_cdfs(path: Path, runs: dict[str, list[RequestResult]], title: str = "")
 
 
 def plot_itl_over_time(path: Path, runs: dict[str, list[RequestResult]], title: str = "") -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 3.8))
     any_data = False
     for label, results in runs.items():
