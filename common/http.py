@@ -9,6 +9,8 @@ TOKEN_HEADER = "x-pdserve-token"  # router -> worker requests carry the internal
 # Mid-stream migration (router <-> service, internal: the router strips both before the client sees them)
 TOKEN_IDS_KEY = "pd_token_ids"  # body flag: each stream event carries its tokens' ids under this key, last
 RESUME_KEY = "pd_resume"  # body field: {"output_ids": [...], "id": str, "created": int} continues a stream
+# Conditional disaggregation (router -> decode, internal): the picked prefill is busy, prefill here if room
+PREFILL_HERE_KEY = "pd_prefill_here"
 
 
 def error_body(message: str, status: int, err_type: str | None = None, fault: str = "") -> dict[str, Any]:

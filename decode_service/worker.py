@@ -7,7 +7,9 @@ Queues of one request:
   transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout)
   local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
              prefilled here instead, in chunks of at most --local-prefill-budget tokens per step
-             beside the running decodes; its prefill is told to end the room without computing
+             beside the running decodes; so is one the router marks as "its prefill is busy" while
+             its KV fits here now and the local queue stays within --local-prefill-max-queued
+             tokens. Its prefill is told to end the room without computing
   running    the prefill's first token is committed; one token per decode step; when pages run out
              the newest running requests are retracted to the host pool and later reloaded
              (engine.scheduler.Scheduler does the running part, as in colocated mode)
@@ -43,15 +45,17 @@ class DecodeRole:
     """The decode queues over an injected runner, KV manager and transfer manager."""
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
-                 local_threshold: int = 0, local_budget: int = 128) -> None:
+                 local_threshold: int = 0, local_budget: int = 128, local_max_queued: int = 0) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
         # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
-        # at most local_budget prompt tokens per step beside the running decodes
+        # at most local_budget prompt tokens per step beside the running decodes; so is a request the
+        # router marks (its prefill is busy) while the local queue holds at most local_max_queued tokens
         self.local_threshold = local_threshold
+        self.local_max_queued = local_max_queued
         budget = dataclasses.replace(cfg, max_prefill_tokens=local_budget,
                                      chunked_prefill_size=min(cfg.chunked_prefill_size, local_budget))
         self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook())
-        self.prefills = {"local": 0, "remote": 0}
+        self.prefills = {"local": 0, "local_busy_prefill": 0, "remote": 0}
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
@@ -65,8 +69,9 @@ class DecodeRole:
             return [bad]  # type: ignore[list-item]
         if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
             return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
-        if len(req.input_ids) <= self.local_threshold:
-            self._prefill_here(req)
+        why = self._local_reason(req, msg.prefill_here)
+        if why:
+            self._prefill_here(req, why)
             return []
         self.prefills["remote"] += 1
         self.prealloc.append(req)
@@ -74,17 +79,34 @@ class DecodeRole:
             req.trace.begin("admission", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
         return []
 
-    def _prefill_here(self, req: Req) -> None:
+    def _local_reason(self, req: Req, hinted: bool) -> str:
+        """Why this request is prefilled here ("" = it is not): a short prompt, or a busy prefill (the
+        router's hint) while this decode has room: the prompt's KV fits now under the admission rule
+        and the local prefill queue stays within local_max_queued tokens."""
+        n = len(req.input_ids)
+        if n <= self.local_threshold:
+            return f"{n} prompt tokens <= {self.local_threshold}"
+        if not hinted:
+            return ""
+        queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
+        if queued + n > self.local_max_queued:
+            return ""
+        if not self._fits(req, busy=True):
+            return ""
+        self.prefills["local_busy_prefill"] += 1
+        return "its prefill is busy (router's hint)"
+
+    def _prefill_here(self, req: Req, why: str) -> None:
         """Conditional disaggregation: a short prompt costs less to compute here than its PD round
-        trip. Its prefill is told to end the room without computing (TransferInfo.local_prefill);
-        the scheduler prefills it in chunks under the local budget, beside the running decodes."""
+        trip, and a busy prefill would make it wait. Its prefill is told to end the room without
+        computing (TransferInfo.local_prefill); the scheduler prefills it in chunks under the local
+        budget, beside the running decodes."""
         try:
             self.mgr.decline_room(req.bootstrap_room, f"{req.bootstrap_host}:{req.bootstrap_port}")
         except ValueError as e:  # a bad bootstrap address: the prefill never hears of this room either
             log.warning("rid=%s: %s", req.rid, e)
         self.prefills["local"] += 1
-        log.info("rid=%s room=%d: %d prompt tokens <= %d, prefilled on this decode", req.rid, req.bootstrap_room,
-                 len(req.input_ids), self.local_threshold)
+        log.info("rid=%s room=%d: prefilled on this decode: %s", req.rid, req.bootstrap_room, why)
         self.sched.add(req)
 
     def abort(self, msg: m.AbortReq) -> None:
@@ -126,6 +148,13 @@ class DecodeRole:
         pending = reservation((r for r, _, _ in self.transfer.values()), self.cfg.new_token_ratio, self.kv.page_size)
         return self.sched.reserved_pages() + pending
 
+    def _fits(self, r: Req, busy: bool) -> bool:
+        """The admission rule for a whole prompt's KV now (its pages from the window's start on)."""
+        n = len(r.input_ids)
+        need = pages_for(n, self.kv.page_size) - self.kv.window_start(n)
+        own = reservation([r], self.cfg.new_token_ratio, self.kv.page_size)
+        return self.kv.can_admit(need, own, self._reserved_pages(), busy)
+
     def _admit(self) -> None:
         while self.prealloc:
             if any(r.is_retracted for r in self.sched.waiting):  # retracted requests come back first
@@ -133,12 +162,11 @@ class DecodeRole:
             if len(self.sched.running) + len(self.sched.waiting) + len(self.transfer) >= self.cfg.max_running_requests:
                 return
             r = self.prealloc[0]
-            skip = self.kv.window_start(len(r.input_ids))  # sliding window: pages no query will read
-            need = pages_for(len(r.input_ids), self.kv.page_size) - skip
-            own = reservation([r], self.cfg.new_token_ratio, self.kv.page_size)
-            if not self.kv.can_admit(need, own, self._reserved_pages(), busy=bool(self.sched.running or self.transfer)):
+            if not self._fits(r, busy=bool(self.sched.running or self.transfer)):
                 return  # wait for memory
             self.prealloc.popleft()
+            skip = self.kv.window_start(len(r.input_ids))  # sliding window: pages no query will read
+            need = pages_for(len(r.input_ids), self.kv.page_size) - skip
             r.pages = [0] * skip + self.kv.pool.allocator.allocate(need)  # 0 marks a page never held
             r.dropped_pages = skip
             addr = f"{r.bootstrap_host}:{r.bootstrap_port}"
@@ -219,6 +247,6 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
-                      local_budget=cfg.pd.local_prefill_budget)
+                      local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

@@ -69,6 +69,7 @@ class RouterState:
             retry_after_s=max(1, math.ceil(cfg.health_interval_s)),
             request_log=cfg.request_log,
             migration_limit=cfg.migration_limit,
+            local_prefill_queue_tokens=cfg.local_prefill_queue_tokens,
         )
         self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s)
         self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None

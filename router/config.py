@@ -84,6 +84,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     max_retries: int = 2  # extra attempts on another pair when a side fails before the first token
     migration_limit: int = 2  # times a completions/chat stream may move to another pair mid-stream
+    local_prefill_queue_tokens: int = 0  # ask the decode to prefill when the prefill has this many queued; 0 off
     health_interval_s: float = 2.0
     health_failures: int = 3  # consecutive failures (probes or requests) that eject a worker
     worker_wait_s: float = 15.0  # a request waits this long for an eligible worker of a role, then 503
@@ -110,6 +111,7 @@ class RouterConfig:
         need(self.connect_timeout_s > 0, "connect timeout must be > 0")
         need(self.max_retries >= 0, "--max-retries must be >= 0")
         need(self.migration_limit >= 0, "--migration-limit must be >= 0")
+        need(self.local_prefill_queue_tokens >= 0, "--local-prefill-queue-tokens must be >= 0")
         need(self.health_interval_s > 0, "--health-interval must be > 0")
         need(self.health_failures >= 1, "--health-failures must be >= 1")
         need(self.worker_wait_s >= 0, "--worker-wait must be >= 0")

@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"... and more than this multiple of its requests (default {d.balance_rel_threshold:g})",
     )
+    p.add_argument(
+        "--local-prefill-queue-tokens",
+        type=int,
+        default=None,
+        help=f"conditional disaggregation: when the picked prefill already has this many prompt tokens "
+        f"outstanding, ask the decode to prefill the request itself (it does when it has room; a decode "
+        f"that does not know the hint ignores it). Default {d.local_prefill_queue_tokens} (0: never)",
+    )
     p.add_argument("--k8s-selector", default="", help="discover worker pods by this label selector")
     p.add_argument("--k8s-namespace", default=k.namespace, help="namespace of the worker pods")
     p.add_argument(
@@ -171,6 +179,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         "health_failures": ns.health_failures,
         "worker_wait_s": ns.worker_wait,
         "processes": ns.workers,
+        "local_prefill_queue_tokens": ns.local_prefill_queue_tokens,
         "cache_threshold": ns.cache_threshold,
         "cache_tree_chars": ns.cache_tree_chars,
         "balance_abs_threshold": ns.balance_abs_threshold,

@@ -11,7 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.http import error_body  # noqa: F401 (the router's modules import it from here)
+from common.http import (
+    PREFILL_HERE_KEY,
+    error_body,  # noqa: F401 (the router's modules import it from here)
+)
 
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
@@ -40,8 +43,12 @@ class ProxyRequest:
         body.pop("stream_options", None)
         return body
 
-    def decode_body(self, host: str, port: int, room: int) -> dict:
-        return {**self.body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    def decode_body(self, host: str, port: int, room: int, prefill_here: bool = False) -> dict:
+        body = {**self.body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        body.pop(PREFILL_HERE_KEY, None)  # the router's to set, never a client's
+        if prefill_here:
+            body[PREFILL_HERE_KEY] = True
+        return body
 
 
 def sse_event(obj: Any) -> bytes:

@@ -140,6 +140,7 @@ class Proxy:
         retry_after_s: int = 1,
         request_log: bool = False,
         migration_limit: int = 0,
+        local_prefill_queue_tokens: int = 0,
     ) -> None:
         self.registry = registry
         self.client = client
@@ -150,6 +151,9 @@ class Proxy:
         self.retry_after_s = retry_after_s  # Retry-After of the 503 when none came
         self.request_log = request_log  # a JSON line per finished stream (router.reqlog)
         self.migration_limit = migration_limit  # times one stream may move to another pair mid-stream
+        # conditional disaggregation: with this many prompt tokens outstanding on the picked prefill,
+        # the decode is asked to prefill the request itself (0: never)
+        self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self._background: set[asyncio.Task] = set()
 
     # ---- public API -------------------------------------------------------------------------------
@@ -280,16 +284,25 @@ class Proxy:
             lease.release()
         return _result(w, resp.status, content)
 
+    def _prefill_busy(self, p: Worker) -> bool:
+        """The picked prefill's outstanding prompt tokens (before this request's) reach the bound."""
+        bound = self.local_prefill_queue_tokens
+        busy = bound > 0 and p.outstanding_tokens >= bound
+        if busy:
+            self.metrics.prefill_here.inc()
+        return busy
+
     async def _attempt_unary(
         self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[int, bytes]:
         host, port = p.bootstrap_host, p.bootstrap_port
+        here = self._prefill_busy(p)
         p_task = asyncio.ensure_future(
             self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._post_json(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
+                d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
@@ -342,12 +355,13 @@ class Proxy:
         self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[StreamStart, Worker, Worker, int]:
         host, port = p.bootstrap_host, p.bootstrap_port
+        here = self._prefill_busy(p)
         p_task = asyncio.ensure_future(
             self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             self._open_stream(
-                d, req.endpoint, req.decode_body(host, port, room), req.prompt_tokens + req.max_new_tokens, tp
+                d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False

@@ -36,6 +36,7 @@ class PDConfig:
     progress_thread: bool = True  # transfers progress on a thread while a forward runs
     local_prefill_threshold: int = 0  # decode: prompts of at most this many tokens are prefilled there
     local_prefill_budget: int = 128  # decode: prompt tokens its local prefills may add to one step
+    local_prefill_max_queued: int = 2048  # decode: queued local prompt tokens beyond which a router's hint is refused
 
     def __post_init__(self) -> None:
         if not 0 <= self.bootstrap_port < 65536:
@@ -48,6 +49,8 @@ class PDConfig:
             raise ValueError("--local-prefill-threshold must be >= 0 (0: always disaggregate)")
         if self.local_prefill_budget < 1:
             raise ValueError("--local-prefill-budget must be >= 1")
+        if self.local_prefill_max_queued < 0:
+            raise ValueError("--local-prefill-max-queued must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
             t.add_argument("--local-prefill-budget", type=int, default=dp.local_prefill_budget,
                            help="prompt tokens the local prefills may add to one decode step, so running streams' "
                                 "inter-token latency stays bounded")
+            t.add_argument("--local-prefill-max-queued", type=int, default=dp.local_prefill_max_queued,
+                           help="a request the router marks as 'its prefill is busy' (router "
+                                "--local-prefill-queue-tokens) is prefilled here when its KV fits now and the prompt "
+                                "tokens already queued for local prefill plus its own stay within this many; "
+                                "otherwise it goes to its prefill as usual. 0: never on the router's word")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 
@@ -191,6 +199,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
             cluster_token=read_secret(ns.cluster_token_file), progress_thread=ns.transfer_progress_thread,
             local_prefill_threshold=getattr(ns, "local_prefill_threshold", pd.local_prefill_threshold),
             local_prefill_budget=getattr(ns, "local_prefill_budget", pd.local_prefill_budget),
+            local_prefill_max_queued=getattr(ns, "local_prefill_max_queued", pd.local_prefill_max_queued),
         )
     return ServerConfig(
         role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,

@@ -44,6 +44,8 @@ class GenerateReq:
     # a migrated stream: the prompt's last `resumed_tokens` ids are output an earlier decode streamed
     # (sampling treats them as output: seeded positions, penalties and min_new_tokens continue)
     resumed_tokens: int = 0
+    # decode: the router found this request's prefill busy; prefill it here if there is room
+    prefill_here: bool = False
     version: int = VERSION
 
 

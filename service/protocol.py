@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from common.http import RESUME_KEY, TOKEN_IDS_KEY
+from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
 from engine.sampling_params import SamplingParams
 from service.messages import AbortReq, GenerateReq
 
@@ -224,7 +224,8 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
     host, port, room = parse_bootstrap(body, limits.role)
     req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream, return_logprob=logprobs,
                       top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,
-                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
+                      prefill_here=limits.role == "decode" and body.get(PREFILL_HERE_KEY) is True)
     return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
                          top_logprobs=top if logprobs else 0, role=limits.role,

@@ -53,7 +53,7 @@ class PDPair:
     """One prefill and one decode role with their own runners and KV managers."""
 
     def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
-                 local_threshold: int = 0) -> None:
+                 local_threshold: int = 0, local_max_queued: int = 0) -> None:
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=0.5)
         dcfg = decode_cfg or cfg
         p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
@@ -61,7 +61,8 @@ class PDPair:
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
-        self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold)
+        self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold,
+                                 local_max_queued=local_max_queued)
 
     def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 120.0,
             on_step: Callable[[PDPair], None] | None = None, fields: dict | None = None,

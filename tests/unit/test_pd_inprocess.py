@@ -63,6 +63,31 @@ def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> 
         pair.close()
 
 
+def test_busy_prefill_hint_prefills_on_the_decode_within_its_queue_bound(engine_cfg: EngineConfig) -> None:
+    """The router's hint (its prefill is busy) moves a prompt of any length to the decode while the
+    decode's local queue stays within local_max_queued tokens; beyond it the request goes PD."""
+    want = colocated_tokens(engine_cfg, PROMPTS, SAMPLING)
+    # all three arrive before any step: r0 (7) queues 7 tokens, r1 (39) would make 46 > 10: PD, r2 (3): 10
+    pair = PDPair(engine_cfg, local_max_queued=10)
+    try:
+        d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING, fields={"prefill_here": True})
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert d_tokens == want
+        counters = pair.decode.stats()["counters"]
+        assert (counters["prefills_local"], counters["prefills_local_busy_prefill"], counters["prefills_remote"]) \
+            == (2, 2, 1)
+        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1])
+        assert pair.p_kv.all_free() and pair.d_kv.all_free()
+    finally:
+        pair.close()
+    pair = PDPair(engine_cfg)  # local_max_queued 0: the hint is never taken
+    try:
+        d_tokens, _, _ = pair.run(PROMPTS, SAMPLING, fields={"prefill_here": True})
+        assert d_tokens == want and pair.decode.stats()["counters"]["prefills_remote"] == len(PROMPTS)
+    finally:
+        pair.close()
+
+
 def _traced_provider():  # noqa: ANN202
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

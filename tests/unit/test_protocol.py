@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from common.http import error_body
@@ -125,6 +127,14 @@ def test_bootstrap_fields_pass_through_on_pd_and_are_ignored_colocated() -> None
     assert (p.req.bootstrap_host, p.req.bootstrap_port, p.req.bootstrap_room) == ("10.0.0.1", 8998, 2**63 - 1)
     p = parse_generate({"text": "hi", "bootstrap_port": "junk"}, TOK, COLO)
     assert p.req.bootstrap_port is None
+
+
+def test_prefill_here_hint_is_read_on_the_decode_only() -> None:
+    decode = dataclasses.replace(PREFILL, role="decode")
+    body = {"text": "hi", "pd_prefill_here": True, **BOOT}
+    assert parse_generate(body, TOK, decode).req.prefill_here
+    assert not parse_generate(body, TOK, PREFILL).req.prefill_here
+    assert not parse_generate({**body, "pd_prefill_here": "yes"}, TOK, decode).req.prefill_here
 
 
 def test_completion_mapping() -> None:

@@ -14,6 +14,7 @@ from router.metrics import RouterMetrics
 from router.policies import CacheAware, LeastLoad, RoundRobin
 from router.prefix_index import PrefixIndex
 from router.protocol import BadRequest, merge_input_logprobs, parse_request
+from router.proxy import Proxy
 from router.registry import Registry
 from router.sse import DONE, SSEReader, event_json
 
@@ -143,6 +144,20 @@ def test_prefix_index_matches_blocks_and_evicts_leaves_first():
     assert ix.matched("w", a) == 2 and ix.matched("w", b) == 3 and ix.size("w") == 4
     ix.insert("v", a, now=1000)  # w idle past idle_s: its tree is dropped
     assert ix.size("w") == 0 and ix.matched("v", a) == 3
+
+
+def test_prefill_here_hint_comes_from_the_router_only():
+    r = parse_request("/generate", {"text": "hi", "pd_prefill_here": True})  # a client cannot set it
+    assert "pd_prefill_here" not in r.decode_body("h", 1, 2) and "pd_prefill_here" not in r.prefill_body("h", 1, 2)
+    assert r.decode_body("h", 1, 2, prefill_here=True)["pd_prefill_here"] is True
+    metrics = RouterMetrics()
+    proxy = Proxy(Registry(1), None, {}, metrics, 0, local_prefill_queue_tokens=100)
+    _, (p,) = _workers(1)
+    p.outstanding_tokens = 99
+    assert not proxy._prefill_busy(p)
+    p.outstanding_tokens = 100
+    assert proxy._prefill_busy(p) and "pdserve_router_prefill_here_total 1.0" in metrics.render(Registry(1))
+    assert not Proxy(Registry(1), None, {}, metrics, 0)._prefill_busy(p)  # 0: off
 
 
 def test_parse_request_checks_and_estimates():
