@@ -3,8 +3,8 @@
     python -m loadtest.chaos --out out/chaos [--kill decode|prefill --requests 12 --max-tokens 32]
 
 1. `pdserve up --prefill P --decode D` (supervised: --restart on-failure), logs in OUT/logs.
-2. Reference batch: `--requests` greedy streams at once (completions and chat alternating, distinct
-   prompts, exact length: ignore_eos), all must complete.
+2. Reference batch: `--requests` greedy streams at once (completions, chat and /generate in turn,
+   distinct prompts, exact length: ignore_eos), all must complete.
 3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
    arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
    `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
@@ -45,14 +45,17 @@ def request_body(i: int, max_tokens: int) -> tuple[str, dict]:
     common = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
               "stream_options": {"include_usage": True}}
     topic = ["a lighthouse", "the Roman empire", "a cat", "rivers", "bread", "the moon"][i % 6] + f" #{i}"
-    if i % 2:
+    if i % 3 == 1:
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}
+    if i % 3 == 2:  # native: cumulative text and output_ids in each event
+        sampling = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return "/generate", {"text": f"Some facts about {topic}:", "sampling_params": sampling, "stream": True}
     return "/v1/completions", {**common, "prompt": f"A short essay on {topic}:"}
 
 
 async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress: list[int]) -> dict:
     path, body = request_body(i, max_tokens)
-    text, error, prompt_tokens = "", "", 0
+    text, error, prompt_tokens, ids = "", "", 0, []
     try:
         async with c.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
@@ -63,6 +66,10 @@ async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     error = ev["error"].get("message", "")
+                    continue
+                if "meta_info" in ev:  # /generate
+                    progress[0] += len(ev["output_ids"]) - len(ids)
+                    text, ids, prompt_tokens = ev["text"], ev["output_ids"], ev["meta_info"]["prompt_tokens"]
                     continue
                 prompt_tokens = (ev.get("usage") or {}).get("prompt_tokens") or prompt_tokens
                 for ch in ev.get("choices") or []:

@@ -4,7 +4,8 @@ namespace (loadtest/netns.py, loadtest/splitnode.py), KV over UCX/TCP across vet
     python -m loadtest.chaosnet --out out/chaosnet [--scenarios kill-decode,link-down] [--write-doc docs/reliability.md]
 
 1. One cluster for the whole suite (start-up is the expensive part); a reference batch once: --requests
-   greedy streams at once (loadtest/chaos.py: completions and chat alternating, ignore_eos, exact length).
+   greedy streams at once (loadtest/chaos.py: completions, chat and /generate in turn, ignore_eos, exact
+   length).
 2. Per scenario, the same batch again with one fault, on the worker of the scenario's role carrying the
    most requests (router /admin/workers), injected when a quarter of the tokens arrived ("mid-stream") or
    the first token arrived ("mid-prefill": the others still in prefill or KV transfer):

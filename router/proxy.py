@@ -14,7 +14,7 @@
    the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
    with Retry-After.
 4. Once streaming began, a failure of D (transport error, stream cut before `[DONE]`, a 5xx error
-   event) migrates a completions/chat stream (router/migration.py): the request goes to another pair
+   event) migrates the stream (router/migration.py): the request goes to another pair
    with the prompt plus the tokens streamed so far and the remaining budget, and the client's stream
    continues with the same id, at most `migration_limit` times. Otherwise (or with no worker left) the
    stream ends with a `data: {"error": ...}` event. A stream that does not end cleanly (error, client
