@@ -57,6 +57,12 @@ from loadtest.splitnode import Cluster, SplitNodeConfig
 ROLES = {"p1": "prefill", "p2": "prefill", "d1": "decode", "d2": "decode"}
 COUNTERS = ("pdserve_router_migrations_total", "pdserve_router_retries_total")
 BEGIN, END = "<!-- chaosnet table: begin -->", "<!-- chaosnet table: end -->"
+T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    """Progress line: seconds since the suite started."""
+    print(f"chaosnet [{time.monotonic() - T0:5.0f} s] {msg}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ class Harness:
         extra: tuple[str, ...] = ()
         if self.small_pool_next and self.cluster.roles[node] == "decode":
             extra, self.small_pool_next, self.small_node = small_pool_flags(self), False, node
-        print(f"chaosnet: {node} exited ({proc.returncode}); starting it again {' '.join(extra)}", flush=True)
+        say(f"{node} exited ({proc.returncode}); starting it again {' '.join(extra)}")
         self.cluster.spawn_worker(node, extra)
         self.restarted.append(node)
 
@@ -173,7 +179,7 @@ def small_pool_flags(h: Harness) -> tuple[str, ...]:
     ps = h.cluster.cfg.page_size
     pages = [math.ceil((r["prompt_tokens"] + h.a.max_tokens) / ps) for r in h.reference]
     usable = max(math.ceil(sum(pages) / h.a.oversubscribe), max(pages))
-    return "--max-total-tokens", str((usable + 1) * ps), "--new-token-ratio", "0"  # + page 0, never allocated
+    return "--max-total-tokens", str(usable * ps), "--new-token-ratio", "0"
 
 
 def _oversubscribed_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, dict]:
@@ -203,7 +209,7 @@ def _oversubscribed_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, 
 
 
 def run_scenario(h: Harness, sc: Scenario) -> dict:
-    print(f"chaosnet: {sc.key} ...", flush=True)
+    say(f"{sc.key} ...")
     h.restarted = []
     before = h.counters()
     res, secs, hit = (_oversubscribed_batch if sc.fault == "oversubscribe" else _faulted_batch)(h, sc)
@@ -236,7 +242,7 @@ def run_scenario(h: Harness, sc: Scenario) -> dict:
     }
     problems += _problems(row, sc)
     row["problems"] = problems
-    print(f"chaosnet: {sc.key}: {json.dumps({k: row[k] for k in ('completed', 'equal_to_unfailed', 'migrated', 'retried', 'hangs', 'batch_s', 'problems')})}", flush=True)  # noqa: E501
+    say(f"{sc.key}: {json.dumps({k: row[k] for k in ('completed', 'equal_to_unfailed', 'migrated', 'retried', 'hangs', 'batch_s', 'problems')})}")  # noqa: E501
     return row
 
 
@@ -263,7 +269,8 @@ def _problems(row: dict, sc: Scenario) -> list[str]:
 def run(a: argparse.Namespace) -> dict:
     from engine.models.embedded import resolve_model_path
 
-    t0 = time.monotonic()
+    global T0
+    T0 = t0 = time.monotonic()
     scenarios = [s for s in SCENARIOS if s.key in a.scenarios]
     cfg = SplitNodeConfig(out_dir=a.out, prefix=a.prefix, ready_timeout_s=a.ready_timeout,
                           service_args=("--threads", str(threads_per_worker(len(ROLES))), "--max-total-tokens",
@@ -272,13 +279,14 @@ def run(a: argparse.Namespace) -> dict:
         cluster = Cluster(net, cfg, resolve_model_path(""), roles=dict(ROLES))
         cluster.start()
         startup_s = time.monotonic() - t0
-        print(f"chaosnet: cluster up in {startup_s:.0f} s", flush=True)
+        say(f"cluster up in {startup_s:.0f} s")
         with entered(net.cfg.ns("rtr")):
             h = Harness(net, cluster, a)
             h.reference, ref_s = h.batch(a.max_tokens)
             bad = [r for r in h.reference if r["status"] != "ok"]
             if bad:
                 raise RuntimeError(f"the reference batch failed: {bad[:3]}")
+            say(f"reference batch in {ref_s:.0f} s")
             rows = []
             for sc in scenarios:  # the drained decode comes back with the small pool: one start-up less
                 h.small_pool_next = sc.key == "drain-decode" and "oversubscribed" in a.scenarios
@@ -325,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenarios", default=",".join(KEYS), type=lambda s: s.split(","),
                    help=f"comma-separated, run in this order whatever the order given: {','.join(KEYS)}")
     p.add_argument("--requests", type=int, default=8, help="concurrent streaming requests per batch")
-    p.add_argument("--max-tokens", type=int, default=24, help="exact output length of each request")
+    p.add_argument("--max-tokens", type=int, default=16, help="exact output length of each request")
     p.add_argument("--stop-s", type=float, default=25.0, help="seconds a SIGSTOPped decode stays frozen")
     p.add_argument("--link-s", type=float, default=10.0, help="seconds a prefill's link stays down")
     p.add_argument("--oversubscribe", type=float, default=4.0, help="the batch's KV need / the decode's KV pool")
