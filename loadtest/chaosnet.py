@@ -80,7 +80,7 @@ SCENARIOS = (
     Scenario("stop-decode", "decode", "stop", "stream", "SIGSTOP a decode mid-stream for {stop_s:g} s"),
     Scenario("link-down", "prefill", "link", "prefill", "a prefill's link down mid-prefill for {link_s:g} s"),
     Scenario("drain-decode", "decode", "term", "stream", "SIGTERM (drain) a decode mid-stream"),
-    Scenario("oversubscribed", "decode", "oversubscribe", "", "one decode, its KV pool {factor:g}x oversubscribed"),
+    Scenario("oversubscribed", "decode", "oversubscribe", "", "one decode, its KV pool {factor:.1f}x oversubscribed"),
 )
 KEYS = tuple(s.key for s in SCENARIOS)
 
@@ -175,10 +175,10 @@ def _faulted_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, dict]:
 
 def small_pool_flags(h: Harness) -> tuple[str, ...]:
     """Flags of a decode whose KV pool is 1/--oversubscribe of the reference batch's KV need (whole pages
-    of prompt + output), at least one request's worth, admitting greedily (retraction does the rest)."""
+    of prompt + output, rounded down), at least one request's worth, admitting greedily (retraction does the rest)."""
     ps = h.cluster.cfg.page_size
     pages = [math.ceil((r["prompt_tokens"] + h.a.max_tokens) / ps) for r in h.reference]
-    usable = max(math.ceil(sum(pages) / h.a.oversubscribe), max(pages))
+    usable = max(int(sum(pages) // h.a.oversubscribe), max(pages))
     return "--max-total-tokens", str(usable * ps), "--new-token-ratio", "0"
 
 
@@ -231,7 +231,8 @@ def run_scenario(h: Harness, sc: Scenario) -> dict:
     nxt, _ = h.batch(4)
     ref = {r["i"]: r["text"] for r in h.reference}
     row = {
-        "scenario": sc.key, "what": sc.what.format(stop_s=h.a.stop_s, link_s=h.a.link_s, factor=h.a.oversubscribe),
+        "scenario": sc.key, "what": sc.what.format(stop_s=h.a.stop_s, link_s=h.a.link_s,
+                                                   factor=hit.get("need_pages", 0) / hit.get("pool_pages", 1)),
         "requests": len(res), "completed": sum(r["status"] == "ok" for r in res),
         "equal_to_unfailed": sum(r["status"] == "ok" and r["text"] == ref[r["i"]] for r in res),
         "migrated": moved[COUNTERS[0]], "retried": moved[COUNTERS[1]],

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,7 @@ from router.registry import Lease, Registry, Worker
 from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
 DONE_EVENT = b"data: [DONE]\n\n"
+log = logging.getLogger(__name__)
 
 Disconnected = Callable[[], Awaitable[None]]
 WATCH_AFTER_S = 0.05  # a client disconnect is noticed at most this much later than it happened
@@ -404,6 +406,7 @@ class Proxy:
                     break
                 resumed = ledger.resumed(req)
                 self.metrics.migrations.inc()
+                log.info("migrating a %s stream after %d tokens: %s", req.endpoint, len(ledger.ids), failed)
                 try:
                     start, p, d, room = await self._with_retries(
                         resumed, lambda p, d, room, tp, r=resumed: self._attempt_stream(r, p, d, room, tp, None), d.url

@@ -19,7 +19,8 @@ import pytest
 from loadtest.chaosnet import KEYS, build_parser, run, table
 from loadtest.netns import list_netns
 
-BUDGET_S = float(os.environ.get("PDSERVE_CHAOS_BUDGET_S", "480"))  # 6 min aim + headroom for a busy box
+# the aim is 6 min on CI's 2-core box; the bound leaves room for a busier box (here, shared: 6-6.5 min)
+BUDGET_S = float(os.environ.get("PDSERVE_CHAOS_BUDGET_S", "540"))
 
 
 @pytest.mark.slow
@@ -40,6 +41,6 @@ def test_chaos_suite_on_split_nodes(tmp_path):
     assert rows["kill-decode"]["restarted"] and rows["kill-prefill"]["restarted"]
     assert rows["drain-decode"]["restarted"] and rows["drain-decode"]["migrated"] == 0  # drained, not cut
     over = rows["oversubscribed"]["hit"]
-    assert over["need_pages"] >= 4 * over["pool_pages"] - 4 and over["retractions"] > 0 and over["reloads"] > 0
+    assert over["need_pages"] >= 4 * over["pool_pages"] and over["retractions"] > 0 and over["reloads"] > 0
     assert not [n for n in list_netns() if n.startswith("pdct-")]  # torn down
     assert wall <= BUDGET_S, f"the chaos suite took {wall:.0f} s, over its {BUDGET_S:.0f} s budget"
