@@ -3,8 +3,8 @@
     python -m loadtest.chaos --out out/chaos [--kill decode|prefill --requests 12 --max-tokens 32]
 
 1. `pdserve up --prefill P --decode D` (supervised: --restart on-failure), logs in OUT/logs.
-2. Reference batch: `--requests` greedy streams at once (completions and chat alternating, distinct
-   prompts, exact length: ignore_eos), all must complete.
+2. Reference batch: `--requests` greedy streams at once (completions, chat and /generate in turn,
+   distinct prompts, exact length: ignore_eos), all must complete.
 3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
    arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
    `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
@@ -41,17 +41,21 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTER
 WHAT = {"KILL": "kill -9", "STOP": "SIGSTOP (then SIGCONT)", "TERM": "SIGTERM (drain)"}
 
 
-def _body(i: int, max_tokens: int) -> tuple[str, dict]:
-    common = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+def request_body(i: int, max_tokens: int) -> tuple[str, dict]:
+    common = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}
     topic = ["a lighthouse", "the Roman empire", "a cat", "rivers", "bread", "the moon"][i % 6] + f" #{i}"
-    if i % 2:
+    if i % 3 == 1:
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Tell me about {topic}."}]}
+    if i % 3 == 2:  # native: cumulative text and output_ids in each event
+        sampling = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return "/generate", {"text": f"Some facts about {topic}:", "sampling_params": sampling, "stream": True}
     return "/v1/completions", {**common, "prompt": f"A short essay on {topic}:"}
 
 
 async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress: list[int]) -> dict:
-    path, body = _body(i, max_tokens)
-    text, error = "", ""
+    path, body = request_body(i, max_tokens)
+    text, error, prompt_tokens, ids = "", "", 0, []
     try:
         async with c.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
@@ -63,6 +67,11 @@ async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress
                 if "error" in ev:
                     error = ev["error"].get("message", "")
                     continue
+                if "meta_info" in ev:  # /generate
+                    progress[0] += len(ev["output_ids"]) - len(ids)
+                    text, ids, prompt_tokens = ev["text"], ev["output_ids"], ev["meta_info"]["prompt_tokens"]
+                    continue
+                prompt_tokens = (ev.get("usage") or {}).get("prompt_tokens") or prompt_tokens
                 for ch in ev.get("choices") or []:
                     piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
                     if piece:
@@ -70,10 +79,10 @@ async def _one(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, progress
                         progress[0] += 1
     except httpx.TimeoutException:
         return {"i": i, "status": "hang", "error": "timeout", "text": text}
-    return {"i": i, "status": "error" if error else "ok", "error": error, "text": text}
+    return {"i": i, "status": "error" if error else "ok", "error": error, "text": text, "prompt_tokens": prompt_tokens}
 
 
-async def _batch(url: str, n: int, max_tokens: int, timeout: float, on_progress=None) -> list[dict]:  # noqa: ANN001
+async def batch(url: str, n: int, max_tokens: int, timeout: float, on_progress=None) -> list[dict]:  # noqa: ANN001
     progress = [0]
     async with httpx.AsyncClient(timeout=timeout) as c:
         tasks = [asyncio.ensure_future(_one(c, url, i, max_tokens, progress)) for i in range(n)]
@@ -106,10 +115,12 @@ class _Up:
             self.proc.wait(60)
 
 
-def _pools_free(workers: dict[str, str], token: str) -> bool:
+def pools_free(workers: dict[str, str], token: str = "") -> bool:
+    """Every worker's kv_used_tokens, active_rooms and host KV pages are 0 (token: the internal one, if any)."""
+    headers = {TOKEN_HEADER: token} if token else {}
     for url in workers.values():
         try:
-            st = httpx.get(url + "/server_info", headers={TOKEN_HEADER: token}, timeout=5).json()["internal_states"][0]
+            st = httpx.get(url + "/server_info", headers=headers, timeout=5).json()["internal_states"][0]
         except (httpx.HTTPError, KeyError, IndexError, ValueError):
             return False
         if st["kv_used_tokens"] or st.get("active_rooms", 0) or st.get("host_kv_used_pages", 0):
@@ -117,14 +128,14 @@ def _pools_free(workers: dict[str, str], token: str) -> bool:
     return True
 
 
-def _carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
+def carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
     """The worker of `role` with the most requests in flight, and that count."""
     rows = httpx.get(router + "/admin/workers", timeout=5).json()["workers"]
     busy = max((w for w in rows if w["role"] == role), key=lambda w: w["outstanding_requests"])
     return next(name for name, url in workers.items() if url == busy["url"]), busy["outstanding_requests"]
 
 
-def _counter(router: str, name: str) -> float:
+def counter(router: str, name: str) -> float:
     return promtext.total(promtext.parse(httpx.get(router + "/metrics").text), name)
 
 
@@ -139,10 +150,10 @@ def run(a: argparse.Namespace) -> dict:
         token = (up.log_dir / "internal-token").read_text().strip()
         workers = up.workers()
         t0 = time.monotonic()
-        ref = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout))
+        ref = asyncio.run(batch(router, a.requests, a.max_tokens, a.timeout))
         ref_s = time.monotonic() - t0
         assert all(r["status"] == "ok" for r in ref), [r for r in ref if r["status"] != "ok"]
-        before = {c: _counter(router, c) for c in ("pdserve_router_migrations_total", "pdserve_router_retries_total")}
+        before = {c: counter(router, c) for c in ("pdserve_router_migrations_total", "pdserve_router_retries_total")}
         killed: list[str] = []
         in_flight: list[int] = []
 
@@ -150,7 +161,7 @@ def run(a: argparse.Namespace) -> dict:
 
         def kill_when(tokens: int) -> None:
             if not killed and tokens >= at:
-                name, n = _carrier(router, workers, a.kill)
+                name, n = carrier(router, workers, a.kill)
                 in_flight.append(n)
                 pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
                 # TERM goes to the service's main process only, as Kubernetes sends it: the service drains
@@ -160,20 +171,20 @@ def run(a: argparse.Namespace) -> dict:
                 killed.append(name)
 
         t0 = time.monotonic()
-        res = asyncio.run(_batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
+        res = asyncio.run(batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
         chaos_s = time.monotonic() - t0
-        after = {c: _counter(router, c) - v for c, v in before.items()}
+        after = {c: counter(router, c) - v for c, v in before.items()}
         same = sum(r["status"] == "ok" and r["text"] == ref[r["i"]]["text"] for r in res)
         (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed}, indent=1))
         restarted = (a.signal == "KILL" and bool(killed)
                      and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart"))
         gone = set(killed) if a.signal == "TERM" else set()
-        wait_until(lambda: _pools_free({n: u for n, u in up.workers().items() if n not in gone}, token), 120,
+        wait_until(lambda: pools_free({n: u for n, u in up.workers().items() if n not in gone}, token), 120,
                    "pools back to 0")
         if a.signal != "TERM":  # a drained worker exits 0 and stays down (--restart on-failure)
             wait_until(lambda: all(w["healthy"] for w in httpx.get(router + "/admin/workers").json()["workers"]),
                        600, "the worker re-admitted")
-        nxt = asyncio.run(_batch(router, a.requests, 4, a.timeout))
+        nxt = asyncio.run(batch(router, a.requests, 4, a.timeout))
         report = {
             "scenario": f"{WHAT[a.signal]} a {a.kill} mid-{'stream' if a.kill == 'decode' else 'prefill'} "
                         f"({a.prefill} prefill, {a.decode} decode)", "requests": a.requests,

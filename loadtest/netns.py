@@ -12,21 +12,30 @@ fall back to tbf for the rate (delay then raises ValueError: it cannot be honour
 `Netns.create()` deletes stale namespaces with the same prefix first; `teardown()` kills every
 process started through `spawn` (process groups) and deletes the namespaces. Use it as a context
 manager; SIGINT/SIGTERM raise KeyboardInterrupt/SystemExit inside it so teardown still runs.
+
+`entered(ns)` moves the calling thread into a namespace for a `with` block (setns(2); the thread's
+sockets opened inside live there), so a harness can talk to the nodes with ordinary clients.
+`set_link(node, up)` takes a node's eth0 down or up (`ip link set eth0 down|up` inside its namespace).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SUBNET = "192.0.2"  # TEST-NET-1: documentation range, never routed
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,10 @@ class Netns:
         self.procs.append(p)
         return p
 
+    def set_link(self, node: str, up: bool) -> None:
+        """Take node's eth0 (its only link to the other nodes) up or down."""
+        sh("ip", "-n", self.cfg.ns(node), "link", "set", "eth0", "up" if up else "down")
+
     def run(self, node: str, argv: list[str], timeout: float, env: dict | None = None
             ) -> subprocess.CompletedProcess:
         """Run argv to completion inside node's namespace (output captured)."""
@@ -175,6 +188,33 @@ class Netns:
             _kill_ns_pids(ns)
             sh("ip", "netns", "del", ns, check=False)
         self.created.clear()
+
+
+@contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """Run the calling thread inside network namespace `ns` (by name) for the block, then move it back.
+    Only this thread moves; threads it starts meanwhile stay in `ns`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def setns(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({path}): {os.strerror(err)}")
+        finally:
+            os.close(fd)
+
+    home = os.open(f"/proc/self/task/{threading.get_native_id()}/ns/net", os.O_RDONLY)
+    try:
+        setns(f"/run/netns/{ns}")
+        try:
+            yield
+        finally:
+            if libc.setns(home, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns back to the original namespace failed")
+    finally:
+        os.close(home)
 
 
 def _raise_exit(signum: int, frame: object) -> None:

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,8 @@ REPO = Path(__file__).resolve().parent.parent
 TRANSFER_BYTES_METRIC = "pdserve_worker_transfer_bytes_total"
 TRANSFER_BYTES_LABELS: dict[str, str] = {}  # e.g. {"name": "transfer_bytes"} for a labelled counter
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PORTS = {"rtr": 8000, "pre": 30000, "dec": 30000}
+ROUTER_PORT = 8000
+WORKER_PORT = 30000  # every worker has its own node (address)
 BOOTSTRAP_PORT = 8998
 
 
@@ -59,6 +61,8 @@ class SplitNodeConfig:
     drain_timeout_s: float = 60.0
     # the prefill and decode share this machine's CPUs: half each (engine.cpus), never all of them each
     service_args: tuple[str, ...] = field(default_factory=lambda: ("--threads", str(threads_per_worker(2))))
+    decode_args: tuple[str, ...] = ()  # flags for the decodes only
+    router_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:
@@ -94,34 +98,54 @@ def expected_kv_bytes(prompt_tokens: list[int], page_size: int, bytes_per_token:
 
 
 class Cluster:
-    """The three services inside a Netns; URLs as seen from inside the namespaces."""
+    """A router and its workers inside a Netns, one worker per node (`roles`: node -> prefill|decode);
+    URLs as seen from inside the namespaces. `spawn_worker` (re)starts one worker in its node."""
 
-    def __init__(self, net: Netns, cfg: SplitNodeConfig, model_dir: Path) -> None:
+    def __init__(self, net: Netns, cfg: SplitNodeConfig, model_dir: Path, roles: dict[str, str] | None = None) -> None:
         self.net, self.cfg, self.model_dir = net, cfg, model_dir
+        self.roles = roles or {"pre": "prefill", "dec": "decode"}
         nc = net.cfg
-        self.url = {n: f"http://{nc.ip(n)}:{PORTS[n]}" for n in ("rtr", "pre", "dec")}
+        self.url = {"rtr": f"http://{nc.ip('rtr')}:{ROUTER_PORT}"}
+        self.url |= {n: f"http://{nc.ip(n)}:{WORKER_PORT}" for n in self.roles}
+        self.procs: dict[str, subprocess.Popen] = {}  # node -> its current process
         self.logs = Path(cfg.out_dir) / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.env = {"PYTHONPATH": str(REPO), "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
                     "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 
+    def nodes(self, role: str) -> list[str]:
+        return [n for n, r in self.roles.items() if r == role]
+
     def _worker_argv(self, node: str, role: str) -> list[str]:
         ip = self.net.cfg.ip(node)
         argv = [sys.executable, "-m", "pdserve", role, "--model", str(self.model_dir), "--host", ip,
-                "--port", str(PORTS[node]), "--advertise-host", ip, "--device", "cpu",
+                "--port", str(WORKER_PORT), "--advertise-host", ip, "--device", "cpu",
                 "--dtype", self.cfg.dtype, "--page-size", str(self.cfg.page_size), *self.cfg.service_args]
         if role == "prefill":
             argv += ["--bootstrap-port", str(BOOTSTRAP_PORT)]
-        return argv
+        return argv + list(self.cfg.decode_args if role == "decode" else ())
+
+    def spawn_worker(self, node: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+        """Start node's worker (again: its log is appended to), with `extra` flags last."""
+        role = self.roles[node]
+        argv = self._worker_argv(node, role) + list(extra)
+        self.procs[node] = self.net.spawn(node, argv, self.logs / f"{role}-{node}.log", self.env)
+        return self.procs[node]
+
+    def worker_arg(self, node: str) -> str:
+        """How the router names this worker on its command line."""
+        url = self.url[node]
+        return f"{url},bootstrap_port={BOOTSTRAP_PORT}" if self.roles[node] == "prefill" else url
 
     def start(self) -> None:
-        self.net.spawn("pre", self._worker_argv("pre", "prefill"), self.logs / "prefill.log", self.env)
-        self.net.spawn("dec", self._worker_argv("dec", "decode"), self.logs / "decode.log", self.env)
-        self.wait_ok([self.url["pre"] + "/health", self.url["dec"] + "/health"])
-        prefill = f"{self.url['pre']},bootstrap_port={BOOTSTRAP_PORT}"
+        for node in self.roles:
+            self.spawn_worker(node)
+        self.wait_ok([self.url[n] + "/health" for n in self.roles])
         router = [sys.executable, "-m", "pdserve", "router", "--host", self.net.cfg.ip("rtr"),
-                  "--port", str(PORTS["rtr"]), "--prefill", prefill, "--decode", self.url["dec"]]
-        self.net.spawn("rtr", router, self.logs / "router.log", self.env)
+                  "--port", str(ROUTER_PORT), *self.cfg.router_args]
+        for node, role in self.roles.items():
+            router += [f"--{role}", self.worker_arg(node)]
+        self.procs["rtr"] = self.net.spawn("rtr", router, self.logs / "router.log", self.env)
         self.wait_ok([self.url["rtr"] + "/health"])
 
     def probe(self, urls: list[str], wait_s: float = 0.0) -> list[dict]:
@@ -138,16 +162,16 @@ class Cluster:
         raise RuntimeError(f"not healthy after {self.cfg.ready_timeout_s} s: {urls} (logs: {self.logs})")
 
     def _check_alive(self) -> None:
-        for p in self.net.procs:
+        for p in self.procs.values():
             if p.poll() is not None:
                 raise RuntimeError(f"{' '.join(p.args[6:8])} exited with {p.returncode}; logs in {self.logs}")
 
     def worker_state(self) -> dict:
         """/metrics samples and /server_info of prefill and decode."""
-        urls = [self.url[n] + path for n in ("pre", "dec") for path in ("/metrics", "/server_info")]
+        urls = [self.url[n] + path for n in self.roles for path in ("/metrics", "/server_info")]
         got = {r["url"]: r for r in self.probe(urls)}
         out = {}
-        for n in ("pre", "dec"):
+        for n in self.roles:
             m, s = got[self.url[n] + "/metrics"], got[self.url[n] + "/server_info"]
             if m["status"] != 200 or s["status"] != 200:
                 raise RuntimeError(f"{n}: /metrics {m['status']}, /server_info {s['status']}: "

@@ -1,5 +1,5 @@
-"""Mid-stream migration: what the client has of a streamed completions/chat request, so that a
-decode failing after tokens were streamed can be replaced by another prefill/decode pair.
+"""Mid-stream migration: what the client has of a streamed request (completions, chat, /generate), so
+that a decode failing after tokens were streamed can be replaced by another prefill/decode pair.
 
 1. The router asks the decode for token ids on each event (`pd_token_ids: true` in the body,
    common.http.TOKEN_IDS_KEY); the service puts them last in each event's JSON.
@@ -8,7 +8,8 @@ decode failing after tokens were streamed can be replaced by another prefill/dec
 3. On a decode failure (transport error, stream cut before `[DONE]`, a 5xx error event) the proxy
    re-issues `ledger.resumed(req)`: the same body plus `pd_resume` (ids so far, the stream's id and
    created), which the services turn into prompt + ids so far and the remaining token budget. The new
-   stream continues the client's: no token lost or repeated, same id. At most `limit` times.
+   stream continues the client's: no token lost or repeated, same id (/generate: its cumulative text
+   and output_ids start with the earlier leg's). At most `limit` times.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from common.http import RESUME_KEY, TOKEN_IDS_KEY
 from router.protocol import ProxyRequest
 from router.sse import event_json
 
-MIGRATABLE = ("/v1/completions", "/v1/chat/completions")  # /generate streams cumulative text: not resumed
+MIGRATABLE = ("/v1/completions", "/v1/chat/completions", "/generate")
 _IDS = b', "' + TOKEN_IDS_KEY.encode() + b'": ['  # the service's json.dumps separators
-_FINISHED = b'"finish_reason": "'  # a finish_reason that is a string, not null
+_FINISHED = (b'"finish_reason": "', b'"finish_reason": {')  # OpenAI: a string; /generate: an object; not null
 
 
 def migratable(req: ProxyRequest, limit: int) -> bool:
@@ -59,7 +60,7 @@ class StreamLedger:
                 self.ids.append(int(ids))
         else:
             self.ids.extend(map(int, ids.split(b",")))
-        if _FINISHED in raw:
+        if any(f in raw for f in _FINISHED):
             self.finished = True
         return raw[:i] + raw[j + 1:]
 

@@ -14,7 +14,7 @@
    the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
    with Retry-After.
 4. Once streaming began, a failure of D (transport error, stream cut before `[DONE]`, a 5xx error
-   event) migrates a completions/chat stream (router/migration.py): the request goes to another pair
+   event) migrates the stream (router/migration.py): the request goes to another pair
    with the prompt plus the tokens streamed so far and the remaining budget, and the client's stream
    continues with the same id, at most `migration_limit` times. Otherwise (or with no worker left) the
    stream ends with a `data: {"error": ...}` event. A stream that does not end cleanly (error, client
@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,7 @@ from router.registry import Lease, Registry, Worker
 from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
 DONE_EVENT = b"data: [DONE]\n\n"
+log = logging.getLogger(__name__)
 
 Disconnected = Callable[[], Awaitable[None]]
 WATCH_AFTER_S = 0.05  # a client disconnect is noticed at most this much later than it happened
@@ -418,6 +420,7 @@ class Proxy:
                     break
                 resumed = ledger.resumed(req)
                 self.metrics.migrations.inc()
+                log.info("migrating a %s stream after %d tokens: %s", req.endpoint, len(ledger.ids), failed)
                 try:
                     start, p, d, room = await self._with_retries(
                         resumed, lambda p, d, room, tp, r=resumed: self._attempt_stream(r, p, d, room, tp, None), d.url

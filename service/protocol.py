@@ -275,8 +275,11 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL}
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
     logprobs, top, start = _generate_logprobs(body, len(ids))
+    ids, resume = _resumed(body, ids, sp_raw, limits)
     sp = _sampling(sp_raw, len(ids), limits)
-    return _make("generate", body, ids, sp, limits, stream, logprobs, top, start)
+    parsed = _make("generate", body, ids, sp, limits, stream, logprobs, top, start)
+    _apply_resume(parsed, resume)
+    return parsed
 
 
 _OPENAI_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "stop_token_ids",

@@ -5,10 +5,11 @@ Streaming conventions:
   /generate              each chunk carries the cumulative `text` and `output_ids` (SGLang style)
   /v1/completions, chat  each chunk carries only the new text (OpenAI deltas)
 Every stream ends with `data: [DONE]`; an error mid-stream is `data: {"error": {...}}` first.
-For the router (ParsedRequest.token_ids) each completions/chat event with tokens ends with
+For the router (ParsedRequest.token_ids) each stream event with tokens ends with
 `"pd_token_ids": [...]`: the ids consumed since the previous event. A resumed stream
 (ParsedRequest.resumed) primes the detokenizer with the ids already streamed, so its text continues
-exactly where the first decode's stopped; usage counts those ids as output, not prompt.
+exactly where the first decode's stopped (/generate: its cumulative text and output_ids include
+them); usage counts those ids as output, not prompt.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _finish_obj(tr: RequestTracker) -> dict[str, Any] | None:
 def native_body(tr: RequestTracker) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": tr.rid, "finish_reason": _finish_obj(tr), "prompt_tokens": tr.prompt_tokens,
-        "completion_tokens": tr.completion_tokens if tr.finished else len(tr.output_ids),
+        "completion_tokens": tr.completion_tokens if tr.finished else tr.resumed + len(tr.output_ids),
         "cached_tokens": tr.cached_tokens, "e2e_latency": round(tr.e2e(), 6),
     }
     if tr.parsed.req.bootstrap_room is not None:
@@ -151,7 +152,8 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
         top = tr.parsed.top_logprobs > 0
         meta.update(native_lists(tr.entries, "output", top))
         meta.update(native_lists(tr.prompt_lp or [], "input", top))
-    return {"text": tr.text.text, "output_ids": list(tr.output_ids), "meta_info": meta}
+    # cumulative: a resumed stream's text and ids include what the stream it continues showed
+    return {"text": tr.text.text, "output_ids": tr.parsed.resumed + tr.output_ids, "meta_info": meta}
 
 
 def _openai_finish(tr: RequestTracker) -> str | None:
@@ -215,7 +217,10 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         if not delta and not tr.finished and not (tr.parsed.logprobs and tr.pending_lp):
             return []
         tr.take_logprobs()
-        return [sse(native_body(tr))]
+        body = native_body(tr)
+        if tr.parsed.token_ids:
+            body[TOKEN_IDS_KEY], tr.pending_ids = tr.pending_ids, []
+        return [sse(body)]
     out: list[bytes] = []
     if kind == "chat" and first and not tr.resumed:
         head = _head(tr, "chat.completion.chunk")

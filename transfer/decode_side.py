@@ -10,6 +10,10 @@
 4. All pages + metadata in place -> SUCCESS, acked to the prefill with TransferStatus(SUCCESS).
 Timers: KV not complete within waiting_timeout_s -> FAILED + Abort; a prefill silent for 3
 heartbeat intervals -> its rooms FAILED and the peer forgotten (the next room bootstraps again).
+A peer silent for a heartbeat interval with no room in flight may have been restarted at the same
+address (its rooms ended before heartbeats could miss): its next room asks the bootstrap server
+again first (messages wait meanwhile) and keeps the control connection only if the same process
+(engine id, control endpoint) answers.
 Slots of ended rooms are swept for late UCX messages for SLOT_QUARANTINE_S.
 """
 
@@ -54,6 +58,8 @@ class _Peer:
     pending: list[Any] = field(default_factory=list)  # messages waiting for the control connection
     rooms: set[int] = field(default_factory=set)
     hb_seq: int = 0
+    engine_id: str = ""  # of the process that registered
+    parked: ControlDealer | None = None  # the control connection while its process is asked again
 
     def send(self, msg: Any) -> None:
         if self.ctrl is not None:
@@ -61,10 +67,16 @@ class _Peer:
         else:
             self.pending.append(msg)
 
+    def recheck(self, query: BootstrapQuery) -> None:
+        """Ask the bootstrap server who serves this address now; sends wait for the answer."""
+        self.parked, self.ctrl = self.ctrl, None
+        self.boot.send(query)
+
     def close(self) -> None:
         self.boot.close()
-        if self.ctrl is not None:
-            self.ctrl.close()
+        for c in (self.ctrl, self.parked):
+            if c is not None:
+                c.close()
 
 
 def _valid_segments(segments: list) -> bool:
@@ -104,7 +116,7 @@ class DecodeSide:
         recv = KVReceiver(room, self._notify, self.release, self.pages, self.backend, list(dst_pages),
                           self._alloc_slot(), bootstrap_addr)
         peer = self._peer(bootstrap_addr, endpoint)
-        if not any(self.receivers[r].state not in TERMINAL for r in peer.rooms if r in self.receivers):
+        if not self._active(peer):
             peer.last_seen = time.monotonic()  # a peer idle until now gets a fresh grace period
         peer.rooms.add(room)
         self.receivers[room] = recv
@@ -118,6 +130,10 @@ class DecodeSide:
         peer.send(TransferInfo(room, self.engine_id, b"", [], 0, self.compat.digest(), self.compat.to_dict(),
                                local_prefill=True))
 
+    def _active(self, peer: _Peer) -> list[int]:
+        """The peer's rooms still in flight."""
+        return [r for r in peer.rooms if r in self.receivers and self.receivers[r].state not in TERMINAL]
+
     def _alloc_slot(self) -> int:
         used = {r.slot for r in self.receivers.values()} | set(self.dead_slots)
         while True:
@@ -128,6 +144,9 @@ class DecodeSide:
 
     def _peer(self, addr: str, endpoint: str) -> _Peer:
         peer = self.peers.get(addr)
+        if peer is not None and peer.ctrl is not None and not self._active(peer) \
+                and time.monotonic() - peer.last_seen > self.cfg.heartbeat_interval_s:
+            peer.recheck(BootstrapQuery(self.engine_id))  # silent and idle: restarted meanwhile?
         if peer is None:
             ident = f"{self.engine_id}:boot".encode()
             peer = _Peer(addr, ControlDealer(self.zctx, endpoint, ident, self.cfg.cluster_token,
@@ -173,8 +192,18 @@ class DecodeSide:
         if peer.ctrl is not None:
             return
         peer.last_seen = time.monotonic()
-        peer.ctrl = ControlDealer(self.zctx, msg.control_endpoint, self.engine_id.encode(),
-                                  self.cfg.cluster_token, self.dropped)
+        old = peer.parked
+        peer.parked = None
+        if old is not None and old.endpoint == msg.control_endpoint and peer.engine_id == msg.engine_id:
+            peer.ctrl = old  # the same process answered: keep its connection
+        else:
+            if old is not None:
+                log.info("prefill %s restarted (engine %s -> %s): reconnecting", peer.addr, peer.engine_id,
+                         msg.engine_id)
+                old.close()
+            peer.ctrl = ControlDealer(self.zctx, msg.control_endpoint, self.engine_id.encode(),
+                                      self.cfg.cluster_token, self.dropped)
+        peer.engine_id = msg.engine_id
         for pending in peer.pending:
             peer.ctrl.send(pending)
         peer.pending.clear()
@@ -227,8 +256,7 @@ class DecodeSide:
                 recv.fail(ErrorCode.TIMEOUT, f"KV not complete within {cfg.waiting_timeout_s}s "
                           f"(state {recv.state.name})", tell_peer=True, peer_fault=True)
         for peer in list(self.peers.values()):
-            active = [r for r in peer.rooms
-                      if r in self.receivers and self.receivers[r].state not in TERMINAL]
+            active = self._active(peer)
             if active and now - peer.last_seen > cfg.peer_lost_s:
                 self._fail_peer(peer, ErrorCode.PEER_LOST, f"prefill {peer.addr} missed 3 heartbeats "
                                 f"({cfg.peer_lost_s:g}s)", peer_fault=True)

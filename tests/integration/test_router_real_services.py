@@ -1,8 +1,9 @@
 """Acceptance 1: the `openai` client (chat and completions, streaming and not) through the router to
 2 prefill + 2 decode real services (started by `pdserve up`, UCX transfer, embedded model) gets the
 same greedy output as the colocated service. Then mid-stream migration (issue 17): a decode killed
-(-9) while it streams a chat and a completions answer; both streams continue on the other decode and
-equal an unfailed run token for token, with one response id each, and every pool is back to 0.
+(-9) while it streams a chat, a completions and a /generate answer; all three continue on the other
+decode and equal an unfailed run token for token (chat and completions with one response id each,
+/generate with the same cumulative text and output_ids), and every pool is back to 0.
 
 The same services export traces to an OTLP/HTTP collector in this test and log JSON lines
 (`pdserve up --otlp-endpoint ... --log-format json`), for issue 18 (tests at the end of the module):
@@ -333,24 +334,30 @@ MIGRATE_TOKENS = 24
 MIGRATE_BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]},
     "/v1/completions": {"prompt": "The history of the Roman empire begins"},
+    "/generate": {"text": "A river runs through the valley and"},  # cumulative text and output_ids
 }
 
 
 def _sse(url: str, path: str, on_token=None) -> list[dict]:  # noqa: ANN001
     body = {**MIGRATE_BODIES[path], "model": "x", "max_tokens": MIGRATE_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if path == "/generate":
+        sampling = {"max_new_tokens": MIGRATE_TOKENS, "temperature": 0, "ignore_eos": True}
+        body = {**MIGRATE_BODIES[path], "sampling_params": sampling, "stream": True}
     events: list[dict] = []
     with httpx.Client(timeout=300) as c, c.stream("POST", url + path, json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[6:]))
-                if on_token is not None and events[-1].get("choices"):
+                if on_token is not None and (events[-1].get("choices") or "meta_info" in events[-1]):
                     on_token()
     return events
 
 
 def _text(events: list[dict]) -> str:
+    if "meta_info" in events[-1]:  # /generate: the last event holds the whole text
+        return events[-1]["text"]
     out = ""
     for e in events:
         for ch in e.get("choices") or []:
@@ -366,7 +373,7 @@ def test_streams_migrate_off_a_killed_decode_and_equal_an_unfailed_run(stack):
     router_url, up_out, logs = stack["router"], stack["up_out"], stack["logs"]
     decodes = dict(re.findall(r"started decode-\d+ pid (\d+): (\S+)", up_out))  # pid -> url
     (victim_pid, victim), (_, survivor) = decodes.items()
-    with ThreadPoolExecutor(2) as ex:
+    with ThreadPoolExecutor(len(MIGRATE_BODIES)) as ex:
         reference = dict(zip(MIGRATE_BODIES, ex.map(lambda p: _sse(router_url, p), MIGRATE_BODIES)))
     # both streams on one decode: take the other out of the router until they run, then kill theirs
     httpx.delete(router_url + "/admin/workers", params={"url": survivor}).raise_for_status()
@@ -381,7 +388,7 @@ def test_streams_migrate_off_a_killed_decode_and_equal_an_unfailed_run(stack):
                 httpx.post(router_url + "/admin/workers", json={"url": survivor, "role": "decode"}).raise_for_status()
                 os.killpg(int(victim_pid), signal.SIGKILL)
 
-    with ThreadPoolExecutor(2) as ex:
+    with ThreadPoolExecutor(len(MIGRATE_BODIES)) as ex:
         migrated = dict(zip(MIGRATE_BODIES, ex.map(lambda p: _sse(router_url, p, lambda: on_token(p)),
                                                    MIGRATE_BODIES)))
     assert running.is_set(), "the streams ended before the kill"
@@ -389,10 +396,16 @@ def test_streams_migrate_off_a_killed_decode_and_equal_an_unfailed_run(stack):
         ref, got = reference[path], migrated[path]
         assert not any("error" in e for e in got), got[-2:]
         print(f"{path}: unfailed {_text(ref)!r}\n{' ' * len(path)}  migrated {_text(got)!r}")
+        assert not any("pd_token_ids" in e for e in got)
+        if path == "/generate":
+            counts_of = lambda e: {k: e["meta_info"][k] for k in ("prompt_tokens", "completion_tokens")}  # noqa: E731
+            assert _text(got) == _text(ref) and got[-1]["output_ids"] == ref[-1]["output_ids"]
+            assert counts_of(got[-1]) == counts_of(ref[-1])
+            continue
         assert _text(got) == _text(ref) and got[-1]["usage"] == ref[-1]["usage"]
-        assert len({e["id"] for e in got}) == 1 and not any("pd_token_ids" in e for e in got)
+        assert len({e["id"] for e in got}) == 1
     metrics = httpx.get(router_url + "/metrics").text
-    assert "pdserve_router_migrations_total 2.0" in metrics
+    assert f"pdserve_router_migrations_total {float(len(MIGRATE_BODIES))}" in metrics
     token = (Path(logs) / "internal-token").read_text().strip()
 
     def idle(url: str) -> bool:

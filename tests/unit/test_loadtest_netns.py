@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.netns import Netns, NetnsConfig, Shaping, list_netns
+from loadtest.netns import Netns, NetnsConfig, Shaping, entered, list_netns
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(REPO)}
@@ -83,3 +84,29 @@ def test_config_validation():
         NetnsConfig(prefix="bad-prefix")
     with pytest.raises(ValueError, match="distinct"):
         NetnsConfig(nodes=("a", "a"))
+
+
+def test_entered_namespace_and_link_down_up(tmp_path):
+    """`entered` moves this thread into a node's namespace and back; `set_link` cuts the node off."""
+    cfg = NetnsConfig(prefix="pdle", nodes=("a", "b"))
+    with Netns(cfg) as net:
+        srv = net.spawn("b", [sys.executable, "-m", "loadtest.standin", "--host", cfg.ip("b"), "--port", "8124"],
+                        tmp_path / "b.log", ENV)
+        url = f"http://{cfg.ip('b')}:8124/health"
+        with entered(cfg.ns("a")):
+            assert "eth0" in [name for _, name in socket.if_nameindex()]
+            deadline = time.monotonic() + 30
+            while True:  # the stand-in starts
+                try:
+                    assert httpx.get(url, timeout=1).status_code == 200
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline and srv.poll() is None
+            net.set_link("b", False)
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url, timeout=1)
+            net.set_link("b", True)
+            assert httpx.get(url, timeout=5).status_code == 200
+        with pytest.raises(httpx.HTTPError):  # back in the root namespace: no route to the test net
+            httpx.get(url, timeout=1)
+    assert ours("pdle") == []

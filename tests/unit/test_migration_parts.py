@@ -11,7 +11,7 @@ import pytest
 from router.migration import StreamLedger, migratable
 from router.protocol import parse_request
 from service.messages import TokenOut
-from service.protocol import Limits, RequestError, parse_chat, parse_completion
+from service.protocol import Limits, RequestError, parse_chat, parse_completion, parse_generate
 from service.responses import RequestTracker, stream_chunks
 
 
@@ -78,3 +78,27 @@ def test_resumed_chat_sends_no_second_role_chunk_and_the_limit_holds():
     assert ledger.can_migrate()
     ledger.resumed(parse_request("/v1/chat/completions", body))
     assert not ledger.can_migrate()
+
+
+def test_generate_stream_migrates_with_cumulative_text_and_ids():
+    body = {"text": "q", "sampling_params": {"max_new_tokens": 5}, "stream": True}
+    req = parse_request("/generate", body)
+    assert migratable(req, 2)
+    tr = RequestTracker(parse_generate({**body, **BOOT, "pd_token_ids": True}, TOK, LIM), TOK, 0.0)
+    (first,) = _events(tr, "ab", first=True)
+    ledger = StreamLedger(first, limit=2)
+    relayed = _obj(ledger.take(first))
+    assert ledger.ids == [97, 98] and "pd_token_ids" not in relayed and not ledger.finished
+    assert relayed["text"] == "ab" and relayed["output_ids"] == [97, 98]
+    resumed = ledger.resumed(req)
+    p2 = parse_generate({**resumed.body, **BOOT, "pd_token_ids": True}, TOK, LIM)
+    assert p2.req.input_ids == [ord("q"), 97, 98] and p2.req.sampling.max_new_tokens == 3
+    tr2 = RequestTracker(p2, TOK, 0.0)
+    (mid,) = _events(tr2, "c", first=True)
+    assert _obj(ledger.take(mid))["text"] == "abc" and not ledger.finished  # cumulative across the legs
+    (last,) = _events(tr2, "de", first=False, finished=True, finish_reason="length", prompt_tokens=3,
+                      completion_tokens=3)
+    end = _obj(ledger.take(last))
+    assert end["text"] == "abcde" and end["output_ids"] == TOK.encode("abcde")
+    assert end["meta_info"]["prompt_tokens"] == 1 and end["meta_info"]["completion_tokens"] == 5
+    assert ledger.ids == TOK.encode("abcde") and ledger.finished and not ledger.can_migrate()
