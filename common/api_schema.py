@@ -121,7 +121,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]] = Field(description="one prompt per request")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
     logprobs: int | None = Field(None, ge=0, le=5, description="alternatives per token")
     echo: bool = Field(False, description="the prompt in front of the text (and its logprobs)")
     n: int = Field(1, description="only 1")

@@ -81,6 +81,7 @@ class ParsedRequest:
     resumed: list[int] = dataclasses.field(default_factory=list)  # output ids another decode streamed
     response_id: str = ""  # the id of the stream this request continues ("" = from the rid)
     tools: ToolPlan | None = None  # chat: the tools the reply may call (service.tools)
+    echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
 
 
 @dataclass(frozen=True)
@@ -363,12 +364,16 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     echo = bool(_opt(body, "echo", (bool,), "a boolean"))
     stream, include_usage = _stream_opts(body)
     raw = _openai_sampling_raw(body, ("max_tokens",)) | _response_format(body)
+    echo_only = echo and raw.get("max_new_tokens") == 0 and RESUME_KEY not in body
+    if echo_only:  # scoring a prompt (eval harnesses): one token is generated and never shown
+        raw["max_new_tokens"], raw["min_new_tokens"] = 1, 0
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
     echo = echo and resume is None  # a resumed stream's first leg already showed the prompt
     # echo + logprobs: the prompt's tokens too (the first one's logprob is null, as OpenAI's)
     parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1)
     parsed.include_usage = include_usage
+    parsed.echo_only = echo_only
     if echo:
         parsed.echo = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
     _apply_resume(parsed, resume)

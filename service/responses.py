@@ -16,6 +16,7 @@ one `delta.tool_calls` chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -76,6 +77,10 @@ class RequestTracker:
 
     def consume(self, out: TokenOut) -> str:
         """Apply one TokenOut; returns the new text that is safe to show."""
+        if self.parsed.echo_only:  # max_tokens 0: the token generated is not part of the answer
+            out = dataclasses.replace(out, new_token_ids=[], new_logprobs=[], new_top_logprobs=[],
+                                      completion_tokens=0, finish_reason="length" if out.finish_reason == "stop"
+                                      else out.finish_reason, matched_stop=None)
         now = time.perf_counter()
         if out.new_token_ids:
             if self.t_first is None:

@@ -192,6 +192,9 @@ def test_echo_and_native_logprobs_through_router_match_colocated(services):
     assert "".join(c.text for c in chunks) == want.choices[0].text  # the echoed prompt first, then the deltas
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == w.tokens
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == w.text_offset
+    got, want = (c.completions.create(**{**kw, "max_tokens": 0}).choices[0] for c in (via, colo))
+    assert got.text == want.text == kw["prompt"] and got.finish_reason == "length"  # echo only: a prompt's score
+    assert got.logprobs.tokens == want.logprobs.tokens and len(got.logprobs.tokens) < len(w.tokens)
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
             "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
     metas = [httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"] for url in services]
