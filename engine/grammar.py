@@ -21,6 +21,7 @@ answer with blank lines until max_tokens.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+log = logging.getLogger("pdserve.grammar")
 KINDS = ("json_schema", "regex", "ebnf")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(error\.empty\(\)\) is false:\s*)?")
 
@@ -55,7 +57,12 @@ class GrammarSpec:
 
 
 def clean_error(e: BaseException) -> str:
-    return _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0].strip() if str(e).strip() else type(e).__name__
+    """xgrammar's message, first line, without its source location or an echo of the input."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    line = _XGR_PREFIX.sub("", text).splitlines()[0].split(" The JSON string is:")[0].strip()
+    return line[:500]
 
 
 class Grammars:
@@ -80,8 +87,7 @@ class Grammars:
         """Start building the tokenizer info in the background (idempotent; a model directory without
         a tokenizer, like the tests' tiny models, is left alone: its requests carry no grammar)."""
         if self._warming is None and (Path(self.key[0]) / "tokenizer_config.json").exists():
-            self._warming = threading.Thread(target=tokenizer_info, args=self.key, daemon=True,
-                                             name="grammar-warm")
+            self._warming = threading.Thread(target=_warm, args=self.key, daemon=True, name="grammar-warm")
             self._warming.start()
 
     def _xgr_compiler(self) -> Any:
@@ -135,6 +141,15 @@ def tokenizer_info(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) 
 
     return xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(model_path), vocab_size=vocab_size,
                                               stop_token_ids=list(stop_ids) or None)
+
+
+def _warm(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+    """Build the tokenizer info ahead of use; a failure is logged here and raised again by the first
+    compile (lru_cache keeps no exception), where it fails that request."""
+    try:
+        tokenizer_info(model_path, vocab_size, stop_ids)
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
+        log.warning("grammar tokenizer info for %s not built ahead: %s", model_path, e)
 
 
 def load_hf_tokenizer(model_path: str) -> Any:
