@@ -134,3 +134,23 @@ def test_sampling_params_take_one_grammar() -> None:
         SamplingParams(regex="a", ebnf='root ::= "a"')
     sp = SamplingParams.from_dict({"json_schema": {"type": "object"}})
     assert json.loads(sp.json_schema) == {"type": "object"} and sp.has_grammar
+
+
+def test_matcher_continues_past_resumed_and_first_tokens(model_dir: Path, tok) -> None:  # noqa: ANN001
+    """A migrated stream (the prompt's tail is earlier output) and a PD decode (token 1 from the
+    prefill) build the matcher past those tokens: only the grammar's continuation can follow."""
+    import torch
+
+    from engine.request import Req
+    from engine.sampling import Sampler
+
+    sampler = Sampler(0, [EOS], Grammars(str(model_dir), 49152, (EOS,)))
+    sp = SamplingParams(temperature=0.0, regex="(yes|no)-(red|blue)")
+    done = tok.encode("yes-", add_special_tokens=False)
+    rows = torch.zeros(2, 49152)
+    rows[:, tok.encode("no", add_special_tokens=False)[0]] = 5.0  # the model would rather say "no"
+    moved = Req("a", [7, 8, *done], sp, resumed_tokens=len(done))
+    decode = Req("b", [7, 8], sp, output_ids=list(done))
+    picked = sampler.sample(rows, [moved, decode])
+    for t in picked:
+        assert any(c.startswith(tok.decode([t])) for c in ("red", "blue")) and tok.decode([t])
