@@ -52,9 +52,55 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Open):
     role: str = Field(description="system, user, assistant, developer or tool")
     content: str | list[ContentPart] | None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's earlier calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = ""
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema every reply follows")
+    strict: bool | None = Field(None, description="replies always follow the schema, strict or not")
+
+
+class ResponseFormat(BaseModel):
+    type: str = Field("text", description="text, json_object or json_schema (xgrammar-constrained decoding)")
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(description="1-64 letters, digits, '_' or '-'")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments object")
+
+
+class ToolDef(BaseModel):
+    type: str = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: str = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -65,15 +111,21 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
     n: int = Field(1, description="only 1")
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = Field(None, description="functions the reply may call (one call per reply)")
+    tool_choice: str | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required, or a named function; required and named "
+                          "replies are constrained to a valid call")
 
 
 class CompletionRequest(SamplingFields):
     model: str | None = None
     prompt: str | list[int] | list[str] | list[list[int]] = Field(description="one prompt per request")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
     logprobs: int | None = Field(None, ge=0, le=5, description="alternatives per token")
     echo: bool = Field(False, description="the prompt in front of the text (and its logprobs)")
     n: int = Field(1, description="only 1")
+    response_format: ResponseFormat | None = None
 
 
 class GenerateRequest(_Open):
@@ -82,7 +134,8 @@ class GenerateRequest(_Open):
     sampling_params: dict[str, Any] | None = Field(
         None, description="temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, stop, "
                           "stop_token_ids, ignore_eos, seed, skip_special_tokens, frequency_penalty, "
-                          "presence_penalty, repetition_penalty, logit_bias")
+                          "presence_penalty, repetition_penalty, logit_bias; structured output: at most one "
+                          "of json_schema (a string or object), regex, ebnf")
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=20, description="needs return_logprob")
@@ -114,7 +167,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None = Field(description="null when the reply is a tool call")
+    tool_calls: list[ToolCall] | None = Field(None, description="finish_reason is then 'tool_calls'")
 
 
 class ChatChoice(BaseModel):

@@ -1,5 +1,5 @@
-"""Token sampling from fp32 logits: logit processors (penalties, min_new_tokens, logit_bias), then
-greedy, temperature, top-k, top-p, min-p.
+"""Token sampling from fp32 logits: logit processors (penalties, min_new_tokens, logit_bias), the
+grammar mask of structured-output rows (engine.grammar), then greedy, temperature, top-k, top-p, min-p.
 
 Seeded sampling is keyed by position: the draw for a request's k-th output token uses a generator
 seeded from (seed, k) alone. The same request therefore gets the same text whoever samples which
@@ -16,10 +16,11 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from engine.grammar import Grammars, GrammarSpec, accept, mask_rows
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys apart
@@ -34,6 +35,7 @@ class Sampled(Protocol):
     output_ids: list[int]
     sampling: SamplingParams
     resumed_tokens: int  # the prompt's last N ids are output of an earlier leg (migration)
+    grammar: Any  # the grammar matcher of a structured-output request (set by the sampler), else None
 
 
 def generated(r: Sampled) -> list[int]:
@@ -77,22 +79,51 @@ def process_logits(row: torch.Tensor, r: Sampled, eos_ids: Sequence[int]) -> tor
 
 
 class Sampler:
-    def __init__(self, default_seed: int = 0, eos_ids: Sequence[int] = ()) -> None:
+    """`grammars` compiles structured-output requests' grammars (None: no request may carry one)."""
+
+    def __init__(self, default_seed: int = 0, eos_ids: Sequence[int] = (), grammars: Grammars | None = None) -> None:
         self.default_seed = default_seed
         self.eos_ids = tuple(eos_ids)
+        self.grammars = grammars
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Sampled]) -> list[int]:
-        """logits: fp32 [B, V] -> token ids [B] (logprobs: engine.logprobs, from the raw logits)."""
+        """logits: fp32 [B, V] -> token ids [B] (logprobs: engine.logprobs, from the raw logits).
+        Rows that are greedy with no processor and no grammar take the batch argmax; the others are
+        processed on the CPU, grammar rows masked together, then picked one by one."""
         tokens = torch.argmax(logits, dim=-1).tolist()
-        for i, r in enumerate(reqs):
-            sp = r.sampling
-            if sp.greedy and not sp.has_processors:
-                continue  # the batch argmax above
-            row = logits[i].float().cpu()
-            if sp.has_processors:
-                row = process_logits(row, r, self.eos_ids)
-            tokens[i] = int(torch.argmax(row)) if sp.greedy else self._draw(row, r)
+        slow = [i for i, r in enumerate(reqs) if not r.sampling.greedy or r.sampling.has_processors
+                or r.sampling.has_grammar]
+        if not slow:
+            return tokens
+        rows = logits[slow].float().cpu()  # [n, V], a copy
+        for j, i in enumerate(slow):
+            if reqs[i].sampling.has_processors:
+                rows[j] = process_logits(rows[j], reqs[i], self.eos_ids)
+        matchers = [self._matcher(reqs[i]) for i in slow]
+        if any(m is not None for m in matchers):
+            raw = rows.clone() if any(reqs[i].sampling.has_processors for i in slow) else None
+            mask_rows(rows, matchers)
+            for j, m in enumerate(matchers):  # processors and grammar forbid every token (min_tokens
+                if m is not None and raw is not None and torch.isneginf(rows[j]).all():  # vs. the end)
+                    rows[j] = raw[j]
+                    mask_rows(rows[j : j + 1], [m])  # the grammar wins
+        for j, i in enumerate(slow):
+            r = reqs[i]
+            tokens[i] = int(torch.argmax(rows[j])) if r.sampling.greedy else self._draw(rows[j], r)
+            if matchers[j] is not None:
+                accept(matchers[j], tokens[i])
         return tokens
+
+    def _matcher(self, r: Sampled) -> Any:
+        """The request's grammar matcher, built on its first sample past the tokens it already has."""
+        spec = GrammarSpec.of(r.sampling)
+        if spec is None:
+            return None
+        if r.grammar is None:
+            if self.grammars is None:
+                raise ValueError("this sampler has no grammar compiler")
+            r.grammar = self.grammars.matcher(spec, generated(r))
+        return r.grammar
 
     def _draw(self, row: torch.Tensor, r: Sampled) -> int:
         sp = r.sampling

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
+MAX_GRAMMAR_CHARS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL/transformers, over prompt and output tokens; 1 = off
     min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    # structured output (SGLang's names; at most one): the output must match it (engine.grammar)
+    json_schema: str | None = None  # a JSON schema, as JSON text
+    regex: str | None = None
+    ebnf: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect, root rule `root`)
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -65,12 +71,22 @@ class SamplingParams:
              and all(isinstance(p, tuple) and len(p) == 2 and is_int(p[0]) and p[0] >= 0 and is_num(p[1])
                      and -100.0 <= p[1] <= 100.0 for p in self.logit_bias),
              "logit_bias must map at most 1024 token ids (>= 0) to biases in [-100, 100]")
+        grammars = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        need(len(grammars) <= 1, f"give at most one of json_schema, regex, ebnf (got {', '.join(grammars)})")
+        for k in grammars:
+            v = getattr(self, k)
+            need(isinstance(v, str) and 0 < len(v) <= MAX_GRAMMAR_CHARS,
+                 f"{k} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
 
     @property
     def has_processors(self) -> bool:
         """Whether any logit processor applies (penalties, min_new_tokens, logit_bias)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
                     or self.min_new_tokens or self.logit_bias)
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +117,9 @@ class SamplingParams:
         else:
             raise ValueError("stop_token_ids must be a list of integers")
         d["logit_bias"] = parse_logit_bias(d.get("logit_bias"))
+        schema = d.get("json_schema")
+        if isinstance(schema, dict):  # SGLang takes the schema as a string; an object is the same schema
+            d["json_schema"] = json.dumps(schema)
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

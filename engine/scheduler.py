@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from engine.batch import BatchExecutor, ExtendItem
 from engine.config import EngineConfig
+from engine.grammar import Grammars
 from engine.kv_manager import KVManager, reservation
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req, StopChecker, TailDecoder
@@ -28,7 +29,10 @@ def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = T
     """The batch executor of a role; stop strings are checked with the model's tokenizer (TailDecoder)."""
     tail = TailDecoder(runner.model_path) if stop_strings else None
     stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, tail)
-    return BatchExecutor(runner, Sampler(cfg.seed, runner.model_cfg.eos_token_ids), stops)
+    eos = runner.model_cfg.eos_token_ids
+    grammars = Grammars(runner.model_path, runner.model_cfg.vocab_size, eos)
+    grammars.warm()  # ready for a grammar request by the time one comes
+    return BatchExecutor(runner, Sampler(cfg.seed, eos, grammars), stops)
 
 
 def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0) -> str | None:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from common import api_schema, tracing
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
+from engine.grammar import Grammars
 from service.config import ServerConfig
 from service.messages import AbortReq
 from service.metrics import CONTENT_TYPE, FrontendMetrics
@@ -62,11 +63,18 @@ class FrontendState:
     in_flight: int = 0
     metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
     started: float = field(default_factory=time.time)
+    grammars: Grammars | None = None  # structured-output grammars are compiled at parse time (built on ready)
 
     def served_name(self) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name
         return self.bridge.info.get("served_model_name") or Path(self.config.engine.model).name or "model"
+
+    def warm_grammars(self, vocab: int) -> None:
+        """Start building the grammar compiler's tokenizer info (seconds) off the event loop."""
+        eos = self.tokenizer.eos_token_id
+        self.grammars = Grammars(self.tokenizer.path, vocab, () if eos is None else (eos,))
+        self.grammars.warm()
 
     def limits(self) -> Limits:
         info = self.bridge.info
@@ -75,8 +83,10 @@ class FrontendState:
             ctx = int(json.loads((Path(self.model_dir) / "config.json").read_text())
                       .get("max_position_embeddings", 4096))
         vocab = int(info.get("vocab_size") or self.tokenizer.vocab_size)
+        if self.grammars is None or self.grammars.key[1] != vocab:  # the model's vocabulary, not the tokenizer's
+            self.warm_grammars(vocab)
         return Limits(role=self.config.role, context_length=ctx, vocab_size=vocab,
-                      model_name=self.served_name())
+                      model_name=self.served_name(), grammars=self.grammars)
 
 
 def _error(message: str, status: int) -> JSONResponse:

@@ -21,12 +21,14 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib
+import json
 import logging
 import multiprocessing as mp
 import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -110,6 +112,9 @@ async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, token
     bridge = WorkerBridge(config.endpoints)
     state = FrontendState(config=config, bridge=bridge, tokenizer=tokenizer, model_dir=model_dir,
                           worker_pid=proc.pid or 0)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab, int):
+        state.warm_grammars(vocab)
     app = create_app(state)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                     access_log=False, lifespan="off", timeout_graceful_shutdown=5))

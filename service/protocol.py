@@ -28,15 +28,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
+from engine.grammar import GrammarError, GrammarSpec
 from engine.sampling_params import SamplingParams
 from service.messages import AbortReq, GenerateReq
+from service.tools import ToolError, ToolPlan, parse_tools, render_calls, with_system_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
 MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
 NEUTRAL = {"n": 1, "best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
-           "suffix": None, "tools": None}
+           "suffix": None}
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (engine.logprobs.MAX_TOP_LOGPROBS is the engine's)
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -59,6 +61,7 @@ class Limits:
     context_length: int
     vocab_size: int
     model_name: str
+    grammars: Any = None  # engine.grammar.Grammars: a structured-output grammar must compile here
 
 
 @dataclass
@@ -77,6 +80,8 @@ class ParsedRequest:
     token_ids: bool = False  # stream events carry their token ids (TOKEN_IDS_KEY), for the router
     resumed: list[int] = dataclasses.field(default_factory=list)  # output ids another decode streamed
     response_id: str = ""  # the id of the stream this request continues ("" = from the rid)
+    tools: ToolPlan | None = None  # chat: the tools the reply may call (service.tools)
+    echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def _opt(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> 
 def _check_neutral(body: dict[str, Any], where: str) -> None:
     for key, neutral in NEUTRAL.items():
         v = body.get(key)
-        if v is None or v == neutral or (key == "tools" and v == []):
+        if v is None or v == neutral:
             continue
         raise RequestError(f"{where}'{key}'={v!r} is not supported by this server")
 
@@ -213,6 +218,12 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
     outside = [t for t, _ in sp.logit_bias if t >= limits.vocab_size]
     if outside:
         raise RequestError(f"logit_bias names token id {outside[0]} outside the vocabulary [0, {limits.vocab_size})")
+    spec = GrammarSpec.of(sp)
+    if spec is not None and limits.grammars is not None:  # compiled (and cached) here: the worker gets none bad
+        try:
+            limits.grammars.compile(spec)
+        except GrammarError as e:
+            raise RequestError(str(e)) from e
     room = ctx - prompt_len
     return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room),
                                min_new_tokens=min(sp.min_new_tokens, room))
@@ -306,6 +317,23 @@ def _openai_sampling_raw(body: dict[str, Any], max_key_order: tuple[str, ...]) -
     return raw
 
 
+def _response_format(body: dict[str, Any]) -> dict[str, str]:
+    """OpenAI's response_format as a sampling grammar: text (none), json_object (any JSON object) or
+    json_schema (its `schema`; replies always follow it, strict or not)."""
+    rf = _opt(body, "response_format", (dict,), "an object")
+    kind = "text" if rf is None else rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise RequestError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
+        return {"json_schema": json.dumps(js["schema"])}
+    raise RequestError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
+
+
 def _stream_opts(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
     opts = _opt(body, "stream_options", (dict,), "an object") or {}
@@ -339,13 +367,17 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
         raise RequestError(f"'logprobs' must be in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), got {lp}")
     echo = bool(_opt(body, "echo", (bool,), "a boolean"))
     stream, include_usage = _stream_opts(body)
-    raw = _openai_sampling_raw(body, ("max_tokens",))
+    raw = _openai_sampling_raw(body, ("max_tokens",)) | _response_format(body)
+    echo_only = echo and raw.get("max_new_tokens") == 0 and RESUME_KEY not in body
+    if echo_only:  # scoring a prompt (eval harnesses): one token is generated and never shown
+        raw["max_new_tokens"], raw["min_new_tokens"] = 1, 0
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
     echo = echo and resume is None  # a resumed stream's first leg already showed the prompt
     # echo + logprobs: the prompt's tokens too (the first one's logprob is null, as OpenAI's)
     parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1)
     parsed.include_usage = include_usage
+    parsed.echo_only = echo_only
     if echo:
         parsed.echo = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
     _apply_resume(parsed, resume)
@@ -364,6 +396,12 @@ def _message_text(i: int, msg: Any) -> dict[str, str]:
     content = msg.get("content")
     if content is None and role == "assistant":
         content = ""
+    if role == "assistant" and msg.get("tool_calls"):  # earlier calls, in the documented text format
+        try:
+            calls = render_calls(msg["tool_calls"])
+        except ToolError as e:
+            raise RequestError(f"messages[{i}]: {e}") from e
+        content = (content + "\n" if isinstance(content, str) and content else "") + calls
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -391,9 +429,15 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     messages = [_message_text(i, m) for i, m in enumerate(msgs)]
     if not any(m["content"] for m in messages):
         raise RequestError("every message is empty")
-    rf = _opt(body, "response_format", (dict,), "an object")
-    if rf is not None and rf.get("type", "text") != "text":
-        raise RequestError(f"response_format type {rf.get('type')!r} is not supported")
+    try:
+        plan = parse_tools(body)
+    except ToolError as e:
+        raise RequestError(str(e)) from e
+    grammar = _response_format(body)
+    if plan is not None and plan.constrained:
+        if grammar:
+            raise RequestError("'response_format' and a required or named 'tool_choice' cannot be combined")
+        grammar = {"json_schema": plan.call_schema()}
     logprobs = bool(_opt(body, "logprobs", (bool,), "a boolean"))
     top = _opt(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
@@ -402,14 +446,18 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
         raise RequestError("'top_logprobs' needs 'logprobs': true")
     stream, include_usage = _stream_opts(body)
     try:
-        ids = tok.apply_chat_template(messages)
+        if plan is not None and getattr(tok, "template_takes_tools", False):
+            ids = tok.apply_chat_template(messages, tools=plan.for_template())
+        else:
+            ids = tok.apply_chat_template(messages if plan is None else with_system_prompt(messages, plan))
     except ChatTemplateError as e:
         raise RequestError(str(e)) from e
-    raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens"))
+    raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens")) | grammar
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
     parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0)
     parsed.include_usage = include_usage
+    parsed.tools = plan
     _apply_resume(parsed, resume)
     return parsed
 

@@ -10,10 +10,14 @@ For the router (ParsedRequest.token_ids) each stream event with tokens ends with
 (ParsedRequest.resumed) primes the detokenizer with the ids already streamed, so its text continues
 exactly where the first decode's stopped (/generate: its cumulative text and output_ids include
 them); usage counts those ids as output, not prompt.
+Chat with tools (service/tools.py): a reply that is a tool call becomes `message.tool_calls` (content
+null, finish_reason "tool_calls"); streamed, its text is held back while it may be a call and sent as
+one `delta.tool_calls` chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -23,6 +27,7 @@ from service.logprob_views import Entry, Pieces, chat_content, completion_logpro
 from service.messages import TokenOut
 from service.protocol import ParsedRequest
 from service.tokenizer import TextStream, Tokenizer
+from service.tools import may_be_call, parse_call
 
 DONE = b"data: [DONE]\n\n"
 
@@ -63,6 +68,9 @@ class RequestTracker:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.span: Any = None  # this request's frontend span while tracing is on (common.tracing)
+        self.call: dict[str, Any] | None = None  # chat with tools: the reply's tool call, once finished
+        self.held = ""  # streamed chat with tools: text held back while it may still be a tool call
+        self.holding = parsed.tools is not None
 
     @property
     def rid(self) -> str:
@@ -70,6 +78,10 @@ class RequestTracker:
 
     def consume(self, out: TokenOut) -> str:
         """Apply one TokenOut; returns the new text that is safe to show."""
+        if self.parsed.echo_only:  # max_tokens 0: the token generated is not part of the answer
+            out = dataclasses.replace(out, new_token_ids=[], new_logprobs=[], new_top_logprobs=[],
+                                      completion_tokens=0, finish_reason="length" if out.finish_reason == "stop"
+                                      else out.finish_reason, matched_stop=None)
         now = time.perf_counter()
         if out.new_token_ids:
             if self.t_first is None:
@@ -97,6 +109,8 @@ class RequestTracker:
             self.completion_tokens = (out.completion_tokens or len(self.output_ids)) + self.resumed
             self.cached_tokens = out.cached_tokens
             delta += self.text.finish(out.matched_stop)
+            if self.parsed.tools is not None and self.finish_reason == "stop":
+                self.call = parse_call(self.text.text, self.parsed.tools)
         return delta
 
     @property
@@ -159,7 +173,22 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
 def _openai_finish(tr: RequestTracker) -> str | None:
     if not tr.finished:
         return None
+    if tr.call is not None:
+        return "tool_calls"
     return "length" if tr.finish_reason == "length" else "stop"
+
+
+def _release_held(tr: RequestTracker, delta: str) -> str:
+    """Streamed chat with tools: the text to show now. Held back while it may be a tool call (all of
+    it for required/named); once it cannot be, or the reply ended without a call, released."""
+    tr.held += delta
+    if tr.call is not None:
+        return ""
+    if not tr.finished and tr.holding and (tr.parsed.tools.constrained or may_be_call(tr.held)):
+        return ""
+    tr.holding = False
+    out, tr.held = tr.held, ""
+    return out
 
 
 def _completion_logprobs(tr: RequestTracker, prompt: list[Entry], out: list[Entry]) -> dict[str, Any]:
@@ -182,7 +211,10 @@ def _head(tr: RequestTracker, obj: str) -> dict[str, Any]:
 def openai_body(tr: RequestTracker) -> dict[str, Any]:
     lp = tr.parsed.logprobs
     if tr.parsed.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": tr.text.text},
+        message: dict[str, Any] = {"role": "assistant", "content": tr.text.text}
+        if tr.call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [tr.call]}
+        choice: dict[str, Any] = {"index": 0, "message": message,
                                   "logprobs": _chat_logprobs(tr, tr.entries) if lp else None,
                                   "finish_reason": _openai_finish(tr)}
         body = _head(tr, "chat.completion")
@@ -229,6 +261,8 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         out.append(sse(head))
     if kind == "completion" and first and tr.parsed.echo is not None:
         out.append(_echo_chunk(tr))
+    if kind == "chat" and tr.parsed.tools is not None:
+        delta = _release_held(tr, delta)
     if not delta and not tr.finished:
         return out
     pairs = tr.take_logprobs() if tr.parsed.logprobs else []
@@ -236,6 +270,8 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         body = _head(tr, "chat.completion.chunk")
         choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {},
                                   "logprobs": _chat_logprobs(tr, pairs) if pairs else None}
+        if tr.call is not None:  # the whole call in one delta (OpenAI clients accumulate deltas by index)
+            choice["delta"] = {"tool_calls": [{"index": 0, **tr.call}]}
     else:
         body = _head(tr, "text_completion")
         choice = {"index": 0, "text": delta,

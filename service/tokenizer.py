@@ -38,7 +38,10 @@ class Tokenizer:
         eos = hf_tokenizer.eos_token_id
         self.eos_token_id: int | None = eos
         self.vocab_size: int = len(hf_tokenizer)
-        self.has_chat_template = bool(getattr(hf_tokenizer, "chat_template", None))
+        template = getattr(hf_tokenizer, "chat_template", None)
+        self.has_chat_template = bool(template)
+        # the template renders OpenAI `tools` itself (else service.tools' system prompt does)
+        self.template_takes_tools = isinstance(template, str) and "tools" in template
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, no special tokens added (prompts carry their own if they need them)."""
@@ -51,14 +54,16 @@ class Tokenizer:
         tok = self._tok.convert_ids_to_tokens(int(token_id))
         return tok if isinstance(tok, str) else ""
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Render [{"role", "content": str}, ...] with the generation prompt; returns ids."""
+    def apply_chat_template(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """Render [{"role", "content": str}, ...] (and `tools`, for a template that takes them) with
+        the generation prompt; returns ids."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
         from jinja2 import TemplateError
 
         try:
-            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
         return self.encode(text)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from otlp_collector import Collector, render_tree
@@ -192,6 +193,9 @@ def test_echo_and_native_logprobs_through_router_match_colocated(services):
     assert "".join(c.text for c in chunks) == want.choices[0].text  # the echoed prompt first, then the deltas
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == w.tokens
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == w.text_offset
+    got, want = (c.completions.create(**{**kw, "max_tokens": 0}).choices[0] for c in (via, colo))
+    assert got.text == want.text == kw["prompt"] and got.finish_reason == "length"  # echo only: a prompt's score
+    assert got.logprobs.tokens == want.logprobs.tokens and len(got.logprobs.tokens) < len(w.tokens)
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
             "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
     metas = [httpx.post(url + "/generate", json=body, timeout=300).json()["meta_info"] for url in services]
@@ -203,6 +207,105 @@ def test_echo_and_native_logprobs_through_router_match_colocated(services):
     bad = httpx.post(router_url + "/v1/chat/completions", timeout=60, json={
         "model": model, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50})
     assert bad.status_code == 400 and "top_logprobs" in bad.json()["error"]["message"]
+
+
+# ---- issue 16 parts 5 and 6: structured output and tools --------------------------------------------
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colors"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone",
+                                          "parameters": {"type": "object", "properties": {}}}}
+
+
+def _person(c: openai.OpenAI, model: str, sampled: bool) -> str:
+    kw = {"temperature": 0.8, "seed": 11} if sampled else {"temperature": 0}
+    r = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=96,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        **kw)
+    assert r.choices[0].finish_reason == "stop"
+    return r.choices[0].message.content
+
+
+def test_json_schema_outputs_validate_pd_and_colocated(services):
+    """Greedy and seeded-sampled replies parse and validate; PD gives the colocated text (the prefill
+    samples token 1 under the grammar, the decode's matcher continues from it)."""
+    router_url, colo_url = services
+    via, colo = _client(router_url), _client(colo_url)
+    model = via.models.list().data[0].id
+    for sampled in (False, True):
+        want = _person(colo, model, sampled)
+        jsonschema.validate(json.loads(want), PERSON)
+        assert _person(via, model, sampled) == want
+    body = {"text": "My phone number is", "sampling_params": {"max_new_tokens": 20, "temperature": 0,
+                                                              "regex": r" [0-9]{3}-[0-9]{4}"}}
+    texts = [httpx.post(url + "/generate", json=body, timeout=300).json()["text"] for url in services]
+    assert texts[0] == texts[1] and re.fullmatch(r" [0-9]{3}-[0-9]{4}", texts[0])
+
+
+def _tool_call(c: openai.OpenAI, model: str, stream: bool, choice) -> tuple[str, str, str]:  # noqa: ANN001
+    kw = {"model": model, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+          "tools": [WEATHER, CLOCK], "tool_choice": choice, "max_tokens": 80, "temperature": 0}
+    if not stream:
+        ch = c.chat.completions.create(**kw).choices[0]
+        assert ch.message.content is None and len(ch.message.tool_calls) == 1
+        call = ch.message.tool_calls[0]
+        return call.function.name, call.function.arguments, ch.finish_reason
+    name, args, finish = "", "", None
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        assert not d.content
+        for tc in d.tool_calls or []:
+            assert tc.index == 0
+            name += tc.function.name or ""
+            args += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return name, args, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named_give_valid_calls(services, stream):
+    router_url, colo_url = services
+    via, colo = _client(router_url), _client(colo_url)
+    model = via.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named) if not stream else ("required",):
+        want = _tool_call(colo, model, stream, choice)
+        name, args, finish = want
+        assert finish == "tool_calls" and name in ("get_weather", "get_time")
+        params = (WEATHER if name == "get_weather" else CLOCK)["function"]["parameters"]
+        jsonschema.validate(json.loads(args), params)
+        if choice is named:
+            assert name == "get_weather"
+        assert _tool_call(via, model, stream, choice) == want
+
+
+def test_bad_structured_requests_are_400_and_services_stay_healthy(services):
+    router_url, colo_url = services
+    msgs = [{"role": "user", "content": "hi"}]
+    bad = [
+        ("/v1/chat/completions", {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objekt"}}}}, 'Unsupported type "objekt"'),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "(ab"}}, "invalid regex"),
+        ("/v1/chat/completions", {"messages": msgs, "tools": [WEATHER],
+                                  "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+         "names function 'launch', which is not in 'tools'"),
+    ]
+    for url in services:
+        for path, body, match in bad:
+            r = httpx.post(url + path, json=body, timeout=60)
+            assert r.status_code == 400 and match in r.json()["error"]["message"], (url, path, r.text)
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=300)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
 
 
 # ---- issue 18: traces, JSON request logs, dashboard queries ----------------------------------------

@@ -8,7 +8,7 @@ import json
 
 from router.protocol import merge_input_logprobs
 from service.messages import TokenOut
-from service.protocol import Limits, parse_chat, parse_completion, parse_generate
+from service.protocol import Limits, RequestError, parse_chat, parse_completion, parse_generate
 from service.responses import RequestTracker, final_body, stream_chunks
 from tests.unit.test_frontend_metrics import LIM, CharTok
 
@@ -117,3 +117,30 @@ def test_bytes_of_a_token_holding_part_of_a_character() -> None:
 
     p = Pieces(HalfTok())
     assert p.bytes(1) == [0xC3] and p.bytes(2) == [0x20, ord("a")]
+
+
+def test_echo_with_max_tokens_zero_is_the_prompt_only() -> None:
+    """max_tokens 0 + echo (eval harnesses scoring a prompt): one token is generated, never shown."""
+    body = {"prompt": "ab", "logprobs": 1, "echo": True, "max_tokens": 0}
+    tr = _tracker(parse_completion, body)
+    assert tr.parsed.echo_only and tr.parsed.req.sampling.max_new_tokens == 1
+    prompt_lp = dict(input_start=0, input_logprobs=[-1.5], input_top_logprobs=[[[B], [-1.5]]])
+    last = TokenOut(rid="r", new_token_ids=[ord("h")], new_logprobs=[-0.1], new_top_logprobs=[[[ord("h")], [-0.1]]],
+                    finished=True, finish_reason="stop", completion_tokens=1, prompt_tokens=2, **prompt_lp)
+    tr.consume(last)
+    body_out = final_body(tr)
+    choice = body_out["choices"][0]
+    assert choice["text"] == "ab" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["a", "b"] and choice["logprobs"]["token_logprobs"] == [None, -1.5]
+    assert body_out["usage"]["completion_tokens"] == 0
+    st = _tracker(parse_completion, {**body, "stream": True})
+    events = [json.loads(e[6:]) for e in stream_chunks(st, st.consume(last), True)]
+    assert "".join(e["choices"][0]["text"] for e in events) == "ab"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    for bad in ({"prompt": "ab", "max_tokens": 0}, {"prompt": "ab", "max_tokens": 0, "echo": False}):
+        try:
+            parse_completion(bad, TOK, LIM)
+        except RequestError as e:
+            assert "max_new_tokens" in e.message
+        else:
+            raise AssertionError("max_tokens 0 without echo must be refused")
