@@ -59,5 +59,6 @@ class ColocatedRole:
 def run_colocated_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
-    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window))
+    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
+                                                          cfg.engine.prefix_cache))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})
