@@ -49,6 +49,9 @@ class ColocatedRole:
     def stats(self) -> dict:
         return self.sched.stats()
 
+    def busy(self) -> int:
+        return len(self.sched.waiting) + len(self.sched.running)
+
     def wait(self, io: WorkerChannels) -> None:
         io.wait(1000)
 

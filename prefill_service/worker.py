@@ -211,6 +211,9 @@ class PrefillRole:
         self.outbox.append(token_out(r))
 
     # ---- reporting ----------------------------------------------------------------------------
+    def busy(self) -> int:
+        return len(self.bootstrap) + len(self.waiting) + len(self.inflight)
+
     def stats(self) -> dict:
         return {
             "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
