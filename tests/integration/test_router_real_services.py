@@ -230,9 +230,10 @@ def test_prefix_cache_usage_and_flush(stack):
         return r.json()
 
     first, second = chat(colo), chat(colo)
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # the chat template's default system prompt may already be cached from earlier tests; the rest is new
+    before = first["usage"]["prompt_tokens_details"]["cached_tokens"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < cached < second["usage"]["prompt_tokens"] and cached % 16 == 0  # whole pages, never the last token
+    assert before < cached < second["usage"]["prompt_tokens"] and cached % 16 == 0  # whole pages, not the last
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     via = [chat(stack["router"]) for _ in range(3)]  # 2 prefills: some prefill sees the prompt twice
     assert {v["choices"][0]["message"]["content"] for v in via} == {first["choices"][0]["message"]["content"]}

@@ -156,6 +156,7 @@ def test_multi_turn_greedy_identical_with_cache_on_and_off(model_dir: str) -> No
     assert results[True][0] == results[False][0]
 
 
+@pytest.mark.slow
 def test_oversubscribed_pool_evicts_and_retracts_with_unchanged_outputs(model_dir: str) -> None:
     """A pool of 96 tokens for 3 conversations x 3 turns (up to 88 tokens each, ~3x the pool): the
     cache is evicted, running requests are retracted to the host, outputs equal a big pool's."""
