@@ -17,6 +17,7 @@ from engine.request import Req
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, order_waiting
 from service import messages as m
+from service.worker import flush_cache
 from tests.pd_harness import PDPair, collect, kv_manager
 from tests.tiny_model import make_tiny_model
 
@@ -225,3 +226,23 @@ def test_windowed_model_runs_without_the_cache(tmp_path) -> None:  # noqa: ANN00
     runner = ModelRunner(_cfg(str(make_tiny_model(tmp_path, model_type="mistral", sliding_window=16)), True))
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache=True)
     assert kv.window == 16 and kv.cache is None
+
+
+def test_flush_cache_is_refused_while_a_request_runs(model_dir: str) -> None:
+    """The worker's answer to POST /flush_cache: not ok (the frontend's 409) while the role holds a
+    request; once idle, the cache is emptied and every page is free."""
+    cfg = _cfg(model_dir, True)
+    runner = ModelRunner(cfg)
+    kv = kv_manager(runner, True)
+    role = ColocatedRole(cfg, runner, kv)
+    _serve(role, {"a": list(range(1, 40))})
+    role.add(m.GenerateReq(rid="b", input_ids=list(range(1, 45)), sampling=GREEDY))
+    role.step()
+    busy = flush_cache(role, 7)
+    assert (busy.token, busy.ok, busy.freed_tokens) == (7, False, 0) and "in flight" in busy.message
+    while role.has_work():
+        role.step()
+    assert kv.cache is not None
+    cached = kv.cache.cached_pages * kv.page_size
+    done = flush_cache(role, 8)
+    assert done.ok and done.freed_tokens == cached > 0 and kv.all_free()
