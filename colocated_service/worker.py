@@ -49,6 +49,9 @@ class ColocatedRole:
     def stats(self) -> dict:
         return self.sched.stats()
 
+    def busy(self) -> int:
+        return len(self.sched.waiting) + len(self.sched.running)
+
     def wait(self, io: WorkerChannels) -> None:
         io.wait(1000)
 
@@ -59,5 +62,6 @@ class ColocatedRole:
 def run_colocated_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
-    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window))
+    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
+                                                          cfg.engine.prefix_cache))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

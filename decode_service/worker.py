@@ -226,6 +226,9 @@ class DecodeRole:
         self.outbox.append(r)
 
     # ---- reporting ----------------------------------------------------------------------------
+    def busy(self) -> int:
+        return len(self.prealloc) + len(self.transfer) + len(self.sched.waiting) + len(self.sched.running)
+
     def stats(self) -> dict:
         s = self.sched.stats()
         s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))

@@ -137,8 +137,12 @@ class EngineConfig:
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
-    schedule_policy: str = "fcfs"  # order of waiting prompts (prefill): fcfs | sjf (engine.scheduler.POLICIES)
-    schedule_aging_s: float = 5.0  # sjf: a prompt waiting this long goes ahead of shorter ones
+    schedule_policy: str = "fcfs"  # order of waiting prompts: fcfs | sjf | lpm (engine.scheduler.order_waiting)
+    schedule_aging_s: float = 5.0  # sjf/lpm: a prompt waiting this long goes ahead of the policy's order
+    # reuse cached prompt prefixes (engine.radix_cache). Off for the engine library (offline LLM,
+    # tests: pools drain to 0 after each request); the colocated and prefill services turn it on
+    # unless --disable-prefix-cache.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -160,8 +164,8 @@ class EngineConfig:
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
         need(0.0 <= self.new_token_ratio <= 1.0, "--new-token-ratio must be in [0, 1]")
-        need(self.schedule_policy in ("fcfs", "sjf"),
-             f"--schedule-policy must be fcfs or sjf, got {self.schedule_policy!r}")
+        need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
+             f"--schedule-policy must be fcfs, sjf or lpm, got {self.schedule_policy!r}")
         need(self.schedule_aging_s > 0, "--schedule-aging must be > 0 seconds")
 
     @property

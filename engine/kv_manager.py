@@ -10,6 +10,16 @@ read a page again once it lies wholly before the next query's window: `trim` fre
 the request runs and leaves 0 (the reserved page) in their place in `req.pages`, which stays indexed
 by position; `req.dropped_pages` counts them. A long generation then holds O(window) pages, and
 retraction offloads only the live ones.
+
+Prefix cache (`prefix_cache=True`, full-attention models only: a sliding window frees pages a later
+request would share, so a windowed model runs without it): `match` gives a new request the pages of
+its longest cached page-aligned prefix (`engine/radix_cache.py`), locked, as the first
+`req.shared_pages` entries of `req.pages`, and sets `kv_len`/`cached_tokens` so only the rest is
+computed. `release` inserts the request's full pages into the tree (the tree takes them; duplicates
+and the partial last page are freed) and unlocks. The tree's unlocked pages count as free
+(`free_pages`): allocation evicts them, LRU, when the free list runs short, so the admission rule
+needs no second form. Retraction copies the shared pages to the host too and drops the lock (a
+retracted request holds no device page); the cache keeps them, evictable.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.memory import HostKVPool, KVPool, pages_for
+from engine.radix_cache import RadixCache
 from engine.request import Req
 
 
@@ -28,7 +39,7 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0) -> None:
+    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False) -> None:
         self.pool = pool
         self.host = host_pool
         self.page_size = pool.page_size
@@ -36,6 +47,57 @@ class KVManager:
         self.retractions = 0
         self.reloads = 0
         self.trimmed_pages = 0  # pages freed because they fell out of every layer's window
+        self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
+        use_cache = prefix_cache and not window
+        self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Give a request that holds no pages its longest cached prefix (locked); returns its tokens.
+        At least the last prompt token is always computed (its logits are sampled), and prompt
+        logprobs asked for are never skipped."""
+        if self.cache is None or req.pages or req.host_pages:
+            return 0
+        limit = len(req.fill_ids) - 1
+        if req.wants_input_logprobs:
+            limit = min(limit, max(req.logprob_start_len, 1) - 1)
+        hit = self.cache.match(req.fill_ids, limit)
+        if not hit.pages:
+            return 0
+        self.cache.lock(hit.node)
+        req.prefix_node, req.shared_pages, req.pages = hit.node, len(hit.pages), list(hit.pages)
+        req.kv_len = req.cached_tokens = len(hit.pages) * self.page_size
+        self.hit_tokens += req.kv_len
+        return req.kv_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undo `match` for a request that was not admitted after all (it computed nothing)."""
+        if self.cache is None or req.prefix_node is None:
+            return
+        assert len(req.pages) == req.shared_pages and req.kv_len == req.cached_tokens
+        self.cache.unlock(req.prefix_node)
+        self.hit_tokens -= req.kv_len
+        req.prefix_node, req.shared_pages, req.pages, req.kv_len, req.cached_tokens = None, 0, [], 0, 0
+
+    def prefix_len(self, req: Req) -> int:
+        """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
+        return 0 if self.cache is None else self.cache.match_len(req.fill_ids[:-1])
+
+    def flush(self) -> int:
+        """Drop every unlocked cached page (the caller checks the service is idle); returns pages."""
+        return 0 if self.cache is None else self.cache.flush()
+
+    def cache_stats(self) -> dict:
+        c = self.cache
+        return {"prefix_cached_tokens": 0 if c is None else c.cached_pages * self.page_size,
+                "prefix_hit_tokens": self.hit_tokens,
+                "prefix_evicted_tokens": 0 if c is None else c.evicted_pages * self.page_size}
+
+    def _allocate(self, n: int) -> list[int]:
+        alloc = self.pool.allocator
+        if self.cache is not None and n > alloc.num_free:
+            self.cache.evict(n - alloc.num_free)
+        return alloc.allocate(n)
 
     def extra_pages(self, req: Req, new_tokens: int) -> int:
         """Pages req still needs so that kv_len + new_tokens tokens fit."""
@@ -44,7 +106,7 @@ class KVManager:
     def grow(self, req: Req, new_tokens: int) -> None:
         n = self.extra_pages(req, new_tokens)
         if n:
-            req.pages.extend(self.pool.allocator.allocate(n))
+            req.pages.extend(self._allocate(n))
 
     def window_start(self, kv_len: int) -> int:
         """Index of the first page a query at position kv_len (or later) can read: pages before it
@@ -80,7 +142,17 @@ class KVManager:
 
     @property
     def free_pages(self) -> int:
-        return self.pool.allocator.num_free
+        """Pages an allocation can get: the free list plus the cache's evictable pages."""
+        return self.pool.allocator.num_free + (0 if self.cache is None else self.cache.evictable_pages)
+
+    @property
+    def used_tokens(self) -> int:
+        """KV tokens held by requests (pages no eviction can reclaim): 0 when idle, cache or not."""
+        return (self.pool.allocator.capacity - self.free_pages) * self.page_size
+
+    def allocate(self, n: int) -> list[int]:
+        """n device pages for a request's own use (evicting cached pages if needed)."""
+        return self._allocate(n)
 
     def trim(self, req: Req) -> int:
         """Free the pages no future query of `req` can see (sliding window); returns how many."""
@@ -97,37 +169,57 @@ class KVManager:
         return len(gone)
 
     def release(self, req: Req) -> None:
-        """Free every device page and host copy the request holds (idempotent)."""
-        if req.pages:
-            self.pool.allocator.free(req.pages[req.dropped_pages :])
-            req.pages = []
+        """Free every device page and host copy the request holds (idempotent). With the prefix
+        cache, the full pages of its computed tokens (prompt and output) go to the tree instead,
+        and its lock on the shared prefix is dropped."""
+        own = req.pages[self._head(req) :]
+        if self.cache is not None and req.pages and not req.host_pages:
+            full = min(req.kv_len // self.page_size, len(req.pages))
+            _, dup = self.cache.insert(req.fill_ids[: full * self.page_size], req.pages[:full], req.shared_pages)
+            own = dup + req.pages[max(full, req.shared_pages) :]
+        if own:
+            self.pool.allocator.free(own)
+        req.pages = []
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
+            req.prefix_node, req.shared_pages = None, 0
         if req.host_pages:
             self.host.free(req.host_pages)
             req.host_pages = []
+
+    @staticmethod
+    def _head(req: Req) -> int:
+        """Leading entries of req.pages that are not its own: trimmed (0) or the cache's (shared)."""
+        return max(req.dropped_pages, req.shared_pages)
 
     def can_offload(self, req: Req) -> bool:
         return self.host.can_hold(len(req.pages) - req.dropped_pages)
 
     def offload(self, req: Req) -> None:
-        """Retract: copy the request's live KV pages to the host pool and free the device pages."""
+        """Retract: copy the request's live KV pages to the host pool and free its own device pages.
+        Shared (cached) pages are copied too and unlocked, not freed: a retracted request holds
+        nothing on the device (two retracted requests' locks could otherwise starve each other's
+        reload), and reload gives it fresh pages for all of them."""
         live = req.pages[req.dropped_pages :]
         assert live and not req.host_pages
         req.host_pages = self.host.offload(self.pool, live)
-        self.pool.allocator.free(live)
-        req.pages = []
+        self.pool.allocator.free(req.pages[self._head(req) :])
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
+            req.prefix_node, req.shared_pages = None, 0
+        req.pages = req.pages[: req.dropped_pages]
         req.retractions += 1
         self.retractions += 1
 
     def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
-        need = pages_for(req.kv_len + extra_tokens, self.page_size) - req.dropped_pages
-        return self.pool.allocator.can_allocate(need)
+        return pages_for(req.kv_len + extra_tokens, self.page_size) - len(req.pages) <= self.free_pages
 
     def reload(self, req: Req) -> None:
         """Bring a retracted request's KV back into fresh device pages; host pages are freed."""
-        assert req.host_pages and not req.pages
-        pages = self.pool.allocator.allocate(len(req.host_pages))
+        assert req.host_pages and len(req.pages) == req.dropped_pages
+        pages = self._allocate(len(req.host_pages))
         self.host.reload(self.pool, req.host_pages, pages)
-        req.pages = [0] * req.dropped_pages + pages
+        req.pages = req.pages + pages
         req.host_pages = []
         self.reloads += 1
 

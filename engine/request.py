@@ -51,7 +51,11 @@ class Req:
     # prompt positions max(logprob_start_len, 1).. (position 0 has none), computed by extend steps
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[TopK] = field(default_factory=list)
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    # prefix cache (engine.kv_manager): the first `shared_pages` of `pages` belong to the cache,
+    # locked through `prefix_node` (an engine.radix_cache.Node) until the request is released
+    shared_pages: int = 0
+    prefix_node: Any = None
     sent_tokens: int = 0  # output tokens already reported to the frontend
     input_logprobs_done: bool = False  # this worker computed the prompt's logprobs (they are complete)
     input_logprobs_sent: bool = False

@@ -13,6 +13,7 @@ Request lifecycle (colocated):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -46,24 +47,33 @@ def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0
     return kv.capacity_error(n, chunk)
 
 
-def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float) -> list[Req]:
+POLICIES = ("fcfs", "sjf", "lpm")
+
+
+def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float,
+                  prefix_len: Callable[[Req], int] | None = None) -> list[Req]:
     """The order in which waiting prompts are planned.
 
-    fcfs: arrival order. sjf (shortest uncomputed prompt first): prompts already started come
-    first, in arrival order (their next chunk continues, so pages are not held idle); then every
-    prompt that has waited `aging_s` or longer, oldest first (the aging bound: a long prompt waits
-    at most about aging_s plus the work already ahead of it); then the rest, fewest prompt tokens
-    still to compute first, ties by arrival."""
+    fcfs: arrival order. sjf (shortest uncomputed prompt first) and lpm (longest cached prefix
+    first, `prefix_len(req)` tokens; SGLang's policy): prompts already started come first, in
+    arrival order (their next chunk continues, so pages are not held idle); then every prompt that
+    has waited `aging_s` or longer, oldest first (the aging bound: a prompt waits at most about
+    aging_s plus the work already ahead of it); then the rest by the policy's key, ties by arrival."""
     reqs = list(reqs)
     if policy == "fcfs":
         return reqs
+
+    def rank(r: Req) -> int:
+        if policy == "lpm":
+            return -(prefix_len(r) if prefix_len is not None else 0)
+        return len(r.input_ids) - r.kv_len
 
     def key(r: Req) -> tuple:
         if r.kv_len > 0:
             return (0, r.created, 0)
         if now - r.created >= aging_s:
             return (1, r.created, 0)
-        return (2, len(r.input_ids) - r.kv_len, r.created)
+        return (2, rank(r), r.created)
 
     return sorted(reqs, key=key)
 
@@ -74,9 +84,14 @@ class ExtendPlanner:
     does not fit. Pages are allocated for the chosen chunks (KVManager.grow).
 
     reserve=True (colocated, decode): the admission rule applies (`KVManager.can_admit` with the
-    running requests' reservations), retracted requests are not planned here and the running batch
-    caps at max_running_requests. reserve=False (prefill): a request leaves once its prompt is
+    running requests' reservations), retracted requests are not planned here (nothing new is
+    admitted behind one, but a prompt already started continues: its pages would otherwise stay
+    held while the retracted request waits for them) and the running batch caps at
+    max_running_requests. reserve=False (prefill): a request leaves once its prompt is
     computed, so only free pages count.
+
+    A new request first takes its cached prefix (KVManager.match); if it is then not admitted, the
+    match is undone (KVManager.unmatch), so a waiting request holds no lock.
     """
 
     def __init__(self, kv: KVManager, cfg: EngineConfig, reserve: bool = True) -> None:
@@ -88,14 +103,22 @@ class ExtendPlanner:
         reserved = reservation(running, ratio, kv.page_size)
         budget = cfg.max_prefill_tokens
         items: list[ExtendItem] = []
+        behind_retracted = False
         for r in waiting:
-            if self.reserve and (r.is_retracted or len(running) + len(items) >= cfg.max_running_requests):
+            if self.reserve and r.is_retracted:
+                behind_retracted = True  # reloads first: nothing new is admitted behind it
+                continue
+            new = not r.pages and not r.host_pages  # a new admission
+            if budget <= 0 or (new and behind_retracted) or \
+                    (self.reserve and len(running) + len(items) >= cfg.max_running_requests):
                 break
+            if new:
+                kv.match(r)
             n = min(len(r.fill_ids) - r.kv_len, cfg.chunked_prefill_size, budget)
-            if n <= 0:
-                break
-            own = reservation([r], ratio, kv.page_size) if r.kv_len == 0 else 0  # a new admission
-            if not kv.can_admit(kv.extra_pages(r, n), own, reserved, busy=bool(items or running)):
+            own = reservation([r], ratio, kv.page_size) if new else 0
+            if n <= 0 or not kv.can_admit(kv.extra_pages(r, n), own, reserved, busy=bool(items or running)):
+                if new:
+                    kv.unmatch(r)
                 break
             kv.grow(r, n)
             reserved += own
@@ -124,7 +147,7 @@ class Scheduler:
         self.on_event = on_event
         self.cfg = cfg
         self.runner = runner
-        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.prefix_cache)
         self.exec = make_executor(runner, cfg)
         self.planner = ExtendPlanner(self.kv, cfg)
         self.waiting: deque[Req] = deque()
@@ -154,7 +177,11 @@ class Scheduler:
     def step(self) -> list[Req]:
         self._reload_retracted()
         decode = self._prepare_decode()
-        extend = self.planner.plan(self.waiting, self.running)
+        order = self.waiting
+        if self.cfg.schedule_policy != "fcfs":
+            order = order_waiting(self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s,
+                                  time.monotonic(), self.kv.prefix_len)
+        extend = self.planner.plan(order, self.running)
         result = self.exec.run(extend, decode)
         for r in decode + [it.req for it in extend]:
             self.kv.trim(r)  # sliding-window models: drop pages no later query reads
@@ -232,9 +259,10 @@ class Scheduler:
         return {
             "queues": {"waiting": len(self.waiting), "running": len(self.running),
                        "retracted": sum(1 for r in self.waiting if r.is_retracted)},
-            "kv_used_tokens": self.kv.pool.used_tokens,
+            "kv_used_tokens": self.kv.used_tokens,
             "kv_total_tokens": self.kv.pool.total_tokens,
             "host_kv_used_pages": 0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
             "counters": {"retractions": self.kv.retractions, "reloads": self.kv.reloads,
                          "forward_tokens": self.exec.forward_tokens, "window_freed_pages": self.kv.trimmed_pages},
+            **self.kv.cache_stats(),
         }

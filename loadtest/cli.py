@@ -3,6 +3,10 @@
     pdserve bench --url http://127.0.0.1:8000 --num-requests 64 --request-rate 4 \\
         --input-len 256 --output-len 64 --slo-ttft 2 --slo-tpot 0.2 --out bench-out/
 
+Multi-turn chat (`--conversations N --turns T --turn-len L [--system-prompt-len S]`): each turn
+appends the previous reply and a new user message; TTFT, cached tokens and KV bytes are reported per
+turn index (loadtest/multiturn.py).
+
 Writes DIR/bench.json (config, summary, per-request timings), DIR/latency_cdf.png and
 DIR/itl_over_time.png, and prints a summary. Exit status 0 when every request completed, 1 when
 some failed, 2 on bad flags.
@@ -21,8 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from common.secrets import read_secret
 from loadtest.client import ENDPOINTS, ClientConfig, fetch_model
 from loadtest.metrics import SLO, summarize
+from loadtest.multiturn import MultiTurnConfig, run_multi_turn, turn_table
 from loadtest.report import text_summary, write_json, write_plots
 from loadtest.runner import ArrivalConfig, Progress, run
 from loadtest.workload import SyntheticConfig, load_tokenizer, sharegpt, synthetic
@@ -51,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output tokens per request (default 128; with --dataset: the reply's length)")
     p.add_argument("--output-len-std", type=float, default=0.0, help="std of the output length; 0 = fixed")
     p.add_argument("--dataset", default=None, help="ShareGPT-format JSON file instead of synthetic prompts")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="multi-turn chat workload: this many conversations, run in lockstep turns (0: off; "
+                        "then --num-requests, --input-len and --dataset are not used)")
+    p.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    p.add_argument("--turn-len", type=int, default=200, help="multi-turn: tokens of each new user message")
+    p.add_argument("--system-prompt-len", type=int, default=0,
+                   help="multi-turn: tokens of a system prompt shared by every conversation (0: none)")
+    p.add_argument("--kv-metrics-url", action="append", default=[],
+                   help="multi-turn: a PD worker URL (repeatable) whose pdserve_worker_transfer_bytes_total is "
+                        "read before and after each turn, for KV bytes transferred per request (give the "
+                        "decodes, or the prefills: not both)")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file with the cluster's internal token, for --kv-metrics-url workers")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
     p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
     p.add_argument("--out", default=None, help="directory for bench.json and the PNG plots")
@@ -73,8 +92,29 @@ def make_specs(args: argparse.Namespace):
     return synthetic(cfg, tok)
 
 
+async def bench_multi_turn(args: argparse.Namespace) -> dict:
+    mt = MultiTurnConfig(conversations=args.conversations, turns=args.turns, turn_len=args.turn_len,
+                         output_len=args.output_len or 64, system_len=args.system_prompt_len, seed=args.seed)
+    ArrivalConfig(concurrency=args.concurrency)  # validates the flag
+    tok = load_tokenizer(args.tokenizer)
+    model = args.model or await fetch_model(args.url, args.api_key)
+    cfg = ClientConfig(base_url=args.url, model=model, endpoint=args.endpoint, api_key=args.api_key,
+                       timeout_s=args.timeout, ignore_eos=not args.no_ignore_eos)
+    token = read_secret(args.internal_token_file)
+    progress = Progress(mt.conversations * mt.turns, enabled=not args.no_progress)
+    try:
+        results, rows = await run_multi_turn(cfg, mt, tok, args.concurrency, args.kv_metrics_url, token, progress)
+    finally:
+        progress.close()
+    config = {"client": asdict(cfg) | {"api_key": bool(cfg.api_key)}, "multi_turn": asdict(mt),
+              "concurrency": args.concurrency, "kv_metrics_urls": args.kv_metrics_url}
+    return {"config": config, "summary": summarize(results) | {"by_turn": rows}, "results": results}
+
+
 async def bench(args: argparse.Namespace) -> dict:
     """Run the bench described by parsed flags; returns the JSON document's parts."""
+    if args.conversations:
+        return await bench_multi_turn(args)
     arrival = ArrivalConfig(request_rate=args.request_rate, concurrency=args.concurrency,
                             duration_s=args.duration, seed=args.seed)
     slo = SLO(args.slo_ttft, args.slo_tpot)
@@ -107,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print("pdserve bench: interrupted", file=sys.stderr)
         return 130
     print(text_summary(doc["summary"]))
+    if "by_turn" in doc["summary"]:
+        print(turn_table(doc["summary"]["by_turn"]))
     if args.out:
         out = Path(args.out)
         write_json(out / "bench.json", doc["config"], doc["summary"], doc["results"])

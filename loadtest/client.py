@@ -57,7 +57,7 @@ def build_body(cfg: ClientConfig, spec: RequestSpec) -> dict:
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
+        body["messages"] = list(spec.messages) if spec.messages else [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
     return body
@@ -100,11 +100,13 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, spec: RequestSpec, 
                 text = chunk_text(chunk, cfg.endpoint)
                 if text:
                     res.chunk_times.append(time.monotonic() - t0)
+                    res.text += text
                     chunks += 1
                 usage = chunk.get("usage")
                 if usage:
                     res.output_tokens = int(usage.get("completion_tokens") or 0)
                     res.server_prompt_tokens = usage.get("prompt_tokens")
+                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if not res.output_tokens:
             res.output_tokens = chunks
         if not res.chunk_times:

@@ -35,6 +35,8 @@ class RequestResult:
     server_prompt_tokens: int | None = None  # usage.prompt_tokens if the server sent it
     error: str | None = None
     tag: str = ""  # workload class, e.g. "long" / "short" in the mixed experiment
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens if the server sent it
+    text: str = ""  # the streamed reply (kept when the workload needs it: multi-turn chat)
 
     @property
     def ok(self) -> bool:

@@ -22,6 +22,8 @@ class RequestSpec:
     prompt_len: int  # tokens, by the bench's tokenizer (no special tokens)
     output_len: int  # max_tokens, generated exactly with ignore_eos
     tag: str = ""
+    # chat endpoint: the whole conversation so far ({"role", "content"} maps); None: one user message
+    messages: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
 Queues of one request (a room):
   bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies)
   waiting    the decode is ready; prompt chunks run in extend batches under the token budget, in
-             the --schedule-policy order (sjf: shortest prompt first, aging bound), and after each
+             the --schedule-policy order (sjf: shortest prompt first, aging bound), each new prompt
+             taking its longest cached prefix's pages (locked until the room ends), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
              the next chunk computes); the last chunk sends the remaining pages plus metadata
              (first token, its logprob and top alternatives, room). Sliding-window models send only the last window.
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
-  done       pages freed, the request reported finished with its first token (and input logprobs)
+             (the cached prefix pages are sent like computed ones: the decode gets the whole prompt)
+  done       the prompt's full pages go to the prefix cache, the rest freed; the request reported
+             finished with its first token (and input logprobs)
 
 A room the decode chose to prefill itself (conditional disaggregation: its TransferInfo says
 local_prefill) ends in the bootstrap queue, finished with no tokens and no error, never computed.
@@ -103,7 +106,7 @@ class PrefillRole:
         self.mgr.progress()
         self._poll_rooms()
         order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
-                              self.cfg.schedule_aging_s, time.monotonic())
+                              self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
         items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
         if items:
@@ -208,18 +211,22 @@ class PrefillRole:
         self.outbox.append(token_out(r))
 
     # ---- reporting ----------------------------------------------------------------------------
+    def busy(self) -> int:
+        return len(self.bootstrap) + len(self.waiting) + len(self.inflight)
+
     def stats(self) -> dict:
         return {
             "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
             # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens)
             "queued_prompt_tokens": sum(len(room.req.input_ids) - room.req.kv_len
                                         for room in (*self.bootstrap, *self.waiting)),
-            "kv_used_tokens": self.kv.pool.used_tokens,
+            "kv_used_tokens": self.kv.used_tokens,
             "kv_total_tokens": self.kv.pool.total_tokens,
             "active_rooms": self.mgr.active_rooms(),
             "counters": {"forward_tokens": self.exec.forward_tokens, "rooms_prefilled_on_decode": self.declined},
             "transfer": self.mgr.stats(),
             **self.tstats.info(),
+            **self.kv.cache_stats(),
         }
 
     def close(self) -> None:
@@ -242,7 +249,7 @@ def run_prefill_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
     slow = float(os.environ.get("PDSERVE_TEST_SLOW_FIRST_FORWARD_S", "0"))  # tests only
     role = PrefillRole(cfg.engine, runner, kv, mgr, slow_first_forward_s=slow)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,

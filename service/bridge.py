@@ -8,7 +8,16 @@ import logging
 from typing import Any
 
 from service.channels import Endpoints, FrontendChannels
-from service.messages import AbortReq, GenerateReq, StatsOut, StatsReq, TokenBatch, TokenOut
+from service.messages import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    StatsOut,
+    StatsReq,
+    TokenBatch,
+    TokenOut,
+)
 
 log = logging.getLogger("pdserve.launch")
 
@@ -19,7 +28,7 @@ class WorkerBridge:
     def __init__(self, ends: Endpoints) -> None:
         self.io = FrontendChannels(ends)
         self.streams: dict[str, asyncio.Queue[TokenOut]] = {}
-        self.stats_waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.stats_waiters: dict[int, asyncio.Future[Any]] = {}  # StatsOut info dicts, FlushCacheOuts
         self.tokens = itertools.count(1)
         self.ready = asyncio.Event()
         self.info: dict[str, Any] = {}
@@ -49,6 +58,10 @@ class WorkerBridge:
                     fut = self.stats_waiters.pop(msg.token, None)
                     if fut is not None and not fut.done():
                         fut.set_result(dict(msg.info))
+            elif isinstance(msg, FlushCacheOut):
+                fut = self.stats_waiters.pop(msg.token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
 
     def open(self, rid: str) -> asyncio.Queue[TokenOut]:
         if rid in self.streams:
@@ -60,7 +73,7 @@ class WorkerBridge:
     def close(self, rid: str) -> None:
         self.streams.pop(rid, None)
 
-    async def send(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
+    async def send(self, msg: GenerateReq | AbortReq | StatsReq | FlushCacheReq) -> None:
         await self.io.outbox.send(msg)
 
     def send_soon(self, msg: GenerateReq | AbortReq | StatsReq) -> None:
@@ -81,6 +94,21 @@ class WorkerBridge:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             log.warning("worker did not answer a stats request within %.1fs", timeout)
+            return None
+        finally:
+            self.stats_waiters.pop(token, None)
+
+    async def flush_cache(self, timeout: float = 10.0) -> FlushCacheOut | None:
+        """Ask the worker to empty its prefix cache; None when it is not running or does not answer."""
+        if not self.usable:
+            return None
+        token = next(self.tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.stats_waiters[token] = fut
+        try:
+            await self.send(FlushCacheReq(token=token))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
             return None
         finally:
             self.stats_waiters.pop(token, None)

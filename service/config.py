@@ -109,13 +109,19 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
-    if role == "prefill":
-        g.add_argument("--schedule-policy", default="sjf", choices=("fcfs", "sjf"),
-                       help="order of waiting prompts: sjf (default) computes the shortest prompt first, so short "
-                            "prompts do not queue behind long ones; fcfs keeps arrival order")
+    if role in ("prefill", "colocated"):
+        default = "sjf" if role == "prefill" else "fcfs"
+        g.add_argument("--schedule-policy", default=default, choices=("fcfs", "sjf", "lpm"),
+                       help=f"order of waiting prompts (default {default}): sjf computes the shortest prompt first, "
+                            "so short prompts do not queue behind long ones; lpm the longest cached prefix first "
+                            "(prefix cache hits run while their prefix is still cached); fcfs keeps arrival order")
         g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s,
-                       help="sjf: a prompt that has waited this many seconds goes ahead of shorter ones (bounds "
-                            "how long a long prompt can be passed over)")
+                       help="sjf/lpm: a prompt that has waited this many seconds goes ahead of the policy's order "
+                            "(bounds how long a prompt can be passed over)")
+        g.add_argument("--disable-prefix-cache", action="store_true",
+                       help="do not reuse the KV of cached prompt prefixes (radix cache of finished requests' "
+                            "prompt+output pages, evicted LRU when memory is needed); always off on "
+                            "sliding-window models")
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
                         "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
@@ -188,6 +194,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         seed=ns.seed, threads=ns.threads,
         schedule_policy=getattr(ns, "schedule_policy", d_policy),
         schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
+        prefix_cache=role in ("prefill", "colocated") and not getattr(ns, "disable_prefix_cache", False),
     )
     pd = PDConfig()
     if role in ("prefill", "decode"):

@@ -340,9 +340,20 @@ def create_app(state: FrontendState) -> Any:
         log.info("abort rid=%s room=%s all=%s", req.rid or None, req.room, req.abort_all)
         return JSONResponse({"success": True})
 
+    async def flush_cache() -> Response:
+        """Empty the worker's prefix cache; 409 while requests are in flight (SGLang's endpoint)."""
+        out = await state.bridge.flush_cache()
+        if out is None:
+            return _error("the worker is not running or did not answer", 503)
+        if not out.ok:
+            return _error(out.message, 409)
+        log.info("flush_cache: %d tokens freed", out.freed_tokens)
+        return JSONResponse({"success": True, "message": out.message, "freed_tokens": out.freed_tokens})
+
     for path, fn in (("/generate", generate), ("/v1/completions", completions), ("/v1/chat/completions", chat)):
         app.post(path, **api_schema.route_docs(path))(fn)
     app.post("/abort_request")(abort_request)
+    app.post("/flush_cache")(flush_cache)
     _info_routes(app, state)
     if state.config.internal_token:
         return TokenAuth(app, state.config.internal_token)

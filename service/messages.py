@@ -8,8 +8,8 @@ decode, never a half-read message.
 A GenerateReq is already valid when it is built (the frontend parsed the HTTP body once: sampling
 parameters, prompt, bootstrap fields); the worker only checks what only it knows (KV capacity).
 
-Direction frontend -> worker: GenerateReq, AbortReq, StatsReq.
-Direction worker -> frontend: TokenBatch, StatsOut.
+Direction frontend -> worker: GenerateReq, AbortReq, StatsReq, FlushCacheReq.
+Direction worker -> frontend: TokenBatch, StatsOut, FlushCacheOut.
 """
 
 from __future__ import annotations
@@ -69,6 +69,24 @@ class StatsReq:
 
 
 @dataclass
+class FlushCacheReq:
+    """Empty the worker's prefix cache (POST /flush_cache); refused unless the worker is idle.
+    `token` pairs the FlushCacheOut."""
+
+    token: int = 0
+    version: int = VERSION
+
+
+@dataclass
+class FlushCacheOut:
+    token: int
+    ok: bool  # False: requests are in flight, nothing was flushed
+    message: str
+    freed_tokens: int = 0  # KV tokens the flush returned to the pool
+    version: int = VERSION
+
+
+@dataclass
 class TokenOut:
     """What one request produced since the last TokenBatch."""
 
@@ -113,6 +131,7 @@ class StatsOut:
     version: int = VERSION
 
 
-CODEC = Codec("service message", GenerateReq, AbortReq, StatsReq, TokenOut, TokenBatch, StatsOut)
+CODEC = Codec("service message", GenerateReq, AbortReq, StatsReq, FlushCacheReq, TokenOut, TokenBatch, StatsOut,
+              FlushCacheOut)
 encode = CODEC.encode
 decode = CODEC.decode

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from common import tracing
 from common.logs import setup_logging
+from engine.kv_manager import KVManager
 from engine.request import FinishReason, Req
 from service import messages as m
 from service.channels import WorkerChannels
@@ -72,11 +73,14 @@ def error_out(rid: str, message: str, code: int) -> m.TokenOut:
 
 
 class Role(Protocol):
+    kv: KVManager  # the role's KV manager (its prefix cache, when on)
+
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]: ...
     def abort(self, msg: m.AbortReq) -> None: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[m.TokenOut]: ...
     def stats(self) -> dict: ...
+    def busy(self) -> int: ...  # requests held anywhere in the role (0: idle, the cache may be flushed)
     def wait(self, io: WorkerChannels) -> None: ...  # block until a message, a transfer event or a timer
     def close(self) -> None: ...
 
@@ -85,6 +89,18 @@ def setup_process(cfg: ServerConfig) -> None:
     """Logging (text or JSON lines) and tracing of a worker process."""
     setup_logging(cfg.log_level, cfg.log_format, f"{cfg.role}-worker")
     tracing.setup(f"pdserve-{cfg.role}", cfg.otlp_endpoint)
+
+
+def flush_cache(role: Role, token: int) -> m.FlushCacheOut:
+    """Empty the prefix cache when nothing is in flight (a request holds locks and pages mid-way)."""
+    busy, kv = role.busy(), role.kv
+    if busy:
+        return m.FlushCacheOut(token=token, ok=False, message=f"cannot flush the prefix cache while {busy} "
+                               "request(s) are in flight; retry when idle")
+    freed = kv.flush() * kv.page_size
+    log.info("prefix cache flushed: %d tokens freed", freed)
+    return m.FlushCacheOut(token=token, ok=True, message="prefix cache flushed" if kv.cache is not None
+                           else "no prefix cache on this worker", freed_tokens=freed)
 
 
 def handle(role: Role, msg: m.GenerateReq | m.AbortReq) -> list[m.TokenOut]:
@@ -116,6 +132,8 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
             for msg in io.inbox.recv_all():
                 if isinstance(msg, m.StatsReq):
                     io.outbox.send(m.StatsOut(token=msg.token, info={**info, **role.stats(), "time": time.time()}))
+                elif isinstance(msg, m.FlushCacheReq):
+                    io.outbox.send(flush_cache(role, msg.token))
                 else:
                     outs.extend(handle(role, msg))
             outs.extend(role.step())

@@ -19,8 +19,8 @@ from service.config import PDConfig, ServerConfig
 from service.pd import make_transfer_manager
 
 
-def kv_manager(runner: ModelRunner) -> KVManager:
-    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
+    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache)
 
 
 def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut],
@@ -36,7 +36,7 @@ def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str
 def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, list[int]]:
     """The colocated role's tokens for the same prompts (rids r0, r1, ...); every page freed after."""
     runner = ModelRunner(cfg)
-    kv = kv_manager(runner)
+    kv = kv_manager(runner, cfg.prefix_cache)
     role = ColocatedRole(cfg, runner, kv)
     tokens: dict[str, list[int]] = {}
     done: dict[str, m.TokenOut] = {}
@@ -45,6 +45,7 @@ def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: Samp
     while len(done) < len(prompts):
         collect(role.step(), tokens, done)
     assert all(o.error is None for o in done.values()), [o.error for o in done.values()]
+    kv.flush()  # the prefix cache (when on) keeps finished requests' pages until flushed
     assert kv.all_free()
     return tokens
 
@@ -57,7 +58,7 @@ class PDPair:
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=0.5)
         dcfg = decode_cfg or cfg
         p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
-        self.p_kv, self.d_kv = kv_manager(p_runner), kv_manager(d_runner)
+        self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner)
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)

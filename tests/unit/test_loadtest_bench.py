@@ -141,3 +141,18 @@ def test_mixed_workload_of_the_pd_experiment(standin, tmp_path):
     assert md.count("\n| pd |") == 1 and "| colocated |" in md
     with pytest.raises(ValueError, match="modes"):
         ExperimentConfig(out_dir="x", modes=("pd", "bogus"))
+
+
+@pytest.mark.slow
+def test_multi_turn_chat_appends_each_reply(standin, tmp_path):
+    """Issue 14 part 5: turn k's prompt is the system prompt, k+1 user messages and k replies (the
+    stand-in counts prompt words: one token each), reported per turn index."""
+    rc = main(["--url", standin, "--endpoint", "chat", "--conversations", "3", "--turns", "3", "--turn-len", "10",
+               "--system-prompt-len", "5", "--output-len", "4", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = read(tmp_path)
+    rows = doc["summary"]["by_turn"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["requests"] == 3 and r["failed"] == 0 for r in rows)
+    assert [r["prompt_tokens_mean"] for r in rows] == [5 + 10 * (k + 1) + 4 * k for k in range(3)]
+    assert all(r["ttft_p50_s"] > 0 and r["cached_tokens_mean"] is None for r in rows)  # the stand-in caches nothing
+    assert sorted({r["tag"] for r in doc["requests"]}) == ["turn0", "turn1", "turn2"]
