@@ -87,7 +87,9 @@ async def sweep(url: str, cfg: GoodputConfig, tok) -> list[dict]:  # noqa: ANN00
         s = summarize(results, cfg.slo)
         row = {"rate": rate, "requests": s["num_requests"], "failed": s["failed"],
                "good": s["good_requests"], "goodput": s["good_requests"] / cfg.duration_s,
-               "attainment": s["goodput_fraction"], "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"]}
+               "attainment": s["goodput_fraction"], "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"],
+               # per request, so another SLO can be evaluated from the JSON: [ttft, tpot] (null: failed)
+               "each": [[r.ttft, r.tpot] if r.ok else None for r in results]}
         print(f"  rate {rate:g}/s: {row['good']}/{row['requests']} met the SLO "
               f"(goodput {row['goodput']:.2f}/s), {row['failed']} failed", file=sys.stderr, flush=True)
         rows.append(row)
