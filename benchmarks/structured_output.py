@@ -19,12 +19,14 @@ import os
 import platform
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_throughput, beside this script
+
+from engine_throughput import best  # noqa: E402  (its warm-up run also compiles the grammar)
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLM  # noqa: E402
@@ -48,18 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per figure (best is kept)")
     p.add_argument("--out", default="structured_output.json", help="where the JSON goes")
     return p.parse_args(argv)
-
-
-def best(fn, repeats: int) -> float:  # noqa: ANN001
-    fn()  # warm-up (and, constrained, the grammar's compile and tokenizer info)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:
