@@ -96,12 +96,13 @@ class Sampler:
         if not slow:
             return tokens
         rows = logits[slow].float().cpu()  # [n, V], a copy
+        matchers = [self._matcher(reqs[i]) for i in slow]
+        both = any(m is not None and reqs[i].sampling.has_processors for m, i in zip(matchers, slow))
+        raw = rows.clone() if both else None  # the logits before processors, for the fallback below
         for j, i in enumerate(slow):
             if reqs[i].sampling.has_processors:
                 rows[j] = process_logits(rows[j], reqs[i], self.eos_ids)
-        matchers = [self._matcher(reqs[i]) for i in slow]
         if any(m is not None for m in matchers):
-            raw = rows.clone() if any(reqs[i].sampling.has_processors for i in slow) else None
             mask_rows(rows, matchers)
             for j, m in enumerate(matchers):  # processors and grammar forbid every token (min_tokens
                 if m is not None and raw is not None and torch.isneginf(rows[j]).all():  # vs. the end)
