@@ -110,7 +110,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
-    n: int = Field(1, description="only 1")
+    n: int = Field(1, ge=1, le=64, description="choices (1..64): the prompt is computed once and its KV shared; "
+                                              "with a seed, choice i draws from a seed derived from (seed, i)")
     response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = Field(None, description="functions the reply may call (one call per reply)")
     tool_choice: str | NamedToolChoice | None = Field(
@@ -124,7 +125,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
     logprobs: int | None = Field(None, ge=0, le=5, description="alternatives per token")
     echo: bool = Field(False, description="the prompt in front of the text (and its logprobs)")
-    n: int = Field(1, description="only 1")
+    n: int = Field(1, ge=1, le=64, description="choices (1..64): the prompt is computed once and its KV shared; "
+                                              "with a seed, choice i draws from a seed derived from (seed, i)")
     response_format: ResponseFormat | None = None
 
 
@@ -134,7 +136,9 @@ class GenerateRequest(_Open):
     sampling_params: dict[str, Any] | None = Field(
         None, description="temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, stop, "
                           "stop_token_ids, ignore_eos, seed, skip_special_tokens, frequency_penalty, "
-                          "presence_penalty, repetition_penalty, logit_bias; structured output: at most one "
+                          "presence_penalty, repetition_penalty, logit_bias, n (1..64 choices: the answer "
+                          "is then a list of n results, each streamed result carries its index); "
+                          "structured output: at most one "
                           "of json_schema (a string or object), regex, ebnf")
     stream: bool = False
     return_logprob: bool = False

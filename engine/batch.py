@@ -3,7 +3,8 @@
 `BatchExecutor.run` does the forward and the bookkeeping after it: advances kv_len, collects
 prompt logprobs (only the rows a request asked for), samples the next token for requests whose
 prompt is now fully cached and for every decode request (with logprobs when asked), and applies stop
-conditions. Pages must already be allocated (KVManager.grow).
+conditions. A request with forks (n > 1, engine.parallel) has each fork's first token sampled from
+its own last prompt row as well, each with the fork's own seed. Pages must already be allocated (KVManager.grow).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class BatchExecutor:
             if it.completes_prompt:
                 r.input_logprobs_done = r.wants_input_logprobs
                 to_sample.append((r, lg))
+                to_sample.extend((f, lg) for f in r.forks)  # n > 1: each choice draws from this row
         for r, lg in zip(decode, logits[len(extend) :]):
             r.kv_len += 1
             to_sample.append((r, lg))

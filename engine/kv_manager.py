@@ -20,6 +20,12 @@ and the partial last page are freed) and unlocks. The tree's unlocked pages coun
 (`free_pages`): allocation evicts them, LRU, when the free list runs short, so the admission rule
 needs no second form. Retraction copies the shared pages to the host too and drops the lock (a
 retracted request holds no device page); the cache keeps them, evictable.
+
+Forks (parallel sampling, engine.parallel): `fork` gives a choice the parent's prompt KV. The full
+prompt pages are shared through `tree` (the prefix cache, or with the cache off a private tree that
+keeps nothing unlocked: pages go back to the free list when the last choice lets go), locked by
+every choice like a matched prefix; the partial last page is copied. A sliding-window model has no
+tree: a fork copies the live pages.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class KVManager:
         self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         use_cache = prefix_cache and not window
         self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
+        # the tree forked choices share prompt pages through (the cache, else private; None: copy)
+        self.tree = self.cache if self.cache is not None else \
+            (None if window else RadixCache(self.page_size, pool.allocator.free))
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -75,9 +84,9 @@ class KVManager:
         if self.cache is None or req.prefix_node is None:
             return
         assert len(req.pages) == req.shared_pages and req.kv_len == req.cached_tokens
-        self.cache.unlock(req.prefix_node)
+        self._unlock(req)
         self.hit_tokens -= req.kv_len
-        req.prefix_node, req.shared_pages, req.pages, req.kv_len, req.cached_tokens = None, 0, [], 0, 0
+        req.pages, req.kv_len, req.cached_tokens = [], 0, 0
 
     def prefix_len(self, req: Req) -> int:
         """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
@@ -180,12 +189,67 @@ class KVManager:
         if own:
             self.pool.allocator.free(own)
         req.pages = []
-        if req.prefix_node is not None:
-            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
-            req.prefix_node, req.shared_pages = None, 0
+        self._unlock(req)
         if req.host_pages:
             self.host.free(req.host_pages)
             req.host_pages = []
+
+    def _unlock(self, req: Req) -> None:
+        """Drop req's lock on its shared prefix (a private fork tree frees what nobody holds now)."""
+        if req.prefix_node is None:
+            return
+        self.tree.unlock(req.prefix_node)  # type: ignore[union-attr]
+        req.prefix_node, req.shared_pages = None, 0
+        if self.cache is None:
+            self.tree.flush()  # type: ignore[union-attr]
+
+    # ---- forks (parallel sampling) -------------------------------------------------------------
+    def fork_pages(self, prompt_tokens: int) -> int:
+        """Pages one fork of a computed prompt of `prompt_tokens` tokens allocates: its partial last
+        page (shared full pages), or every live page (no tree: a sliding-window model copies)."""
+        whole = pages_for(prompt_tokens, self.page_size)
+        if self.tree is not None:
+            return whole - prompt_tokens // self.page_size
+        return whole - self.window_start(prompt_tokens)
+
+    def fork(self, parent: Req, child: Req) -> None:
+        """Give `child` (holding nothing) the KV of `parent`, whose prompt is computed and which has
+        generated nothing past its first token: shared full prompt pages (locked by child too) plus a
+        copy of the rest. The caller checked `fork_pages` fit (free_pages)."""
+        assert not child.pages and not child.host_pages and parent.kv_len == len(parent.input_ids)
+        if self.tree is not None:
+            self._share_prompt(parent)
+        head = self._head(parent)
+        rest = parent.pages[head:]
+        new = self._allocate(len(rest))
+        self.pool.copy_pages(rest, new)
+        child.pages = parent.pages[:head] + new
+        child.dropped_pages = parent.dropped_pages
+        if parent.prefix_node is not None:
+            self.tree.lock(parent.prefix_node)  # type: ignore[union-attr]
+            child.prefix_node, child.shared_pages = parent.prefix_node, parent.shared_pages
+        child.kv_len, child.cached_tokens = parent.kv_len, parent.cached_tokens
+
+    def _share_prompt(self, req: Req) -> None:
+        """Move req's full prompt pages into the tree, locked by req (as if it had matched them).
+        A page the tree already holds for the same tokens replaces req's copy, which is freed."""
+        tree, ps = self.tree, self.page_size
+        assert tree is not None
+        full = min(len(req.input_ids) // ps, len(req.pages))
+        if full <= req.shared_pages:
+            return
+        node, dup = tree.insert(req.input_ids[: full * ps], req.pages[:full], req.shared_pages)
+        path, n = [], node
+        while n is not tree.root:
+            path.append(n.page)
+            n = n.parent
+        req.pages[:full] = path[::-1]
+        if dup:
+            self.pool.allocator.free(dup)
+        tree.lock(node)
+        if req.prefix_node is not None:
+            tree.unlock(req.prefix_node)
+        req.prefix_node, req.shared_pages = node, full
 
     @staticmethod
     def _head(req: Req) -> int:
@@ -204,9 +268,7 @@ class KVManager:
         assert live and not req.host_pages
         req.host_pages = self.host.offload(self.pool, live)
         self.pool.allocator.free(req.pages[self._head(req) :])
-        if req.prefix_node is not None:
-            self.cache.unlock(req.prefix_node)  # type: ignore[union-attr]
-            req.prefix_node, req.shared_pages = None, 0
+        self._unlock(req)
         req.pages = req.pages[: req.dropped_pages]
         req.retractions += 1
         self.retractions += 1

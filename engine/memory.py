@@ -92,6 +92,11 @@ class KVPool:
         self.buffer[page_idx, layer, 0, offset] = k
         self.buffer[page_idx, layer, 1, offset] = v
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of pages src[i] into dst[i] (a forked choice's own copy of a page it writes)."""
+        for a, b in zip(src, dst):
+            self.buffer[b].copy_(self.buffer[a])  # [num_layers, 2, page_size, num_kv_heads, head_dim]
+
     @property
     def used_tokens(self) -> int:
         return self.allocator.num_used * self.page_size

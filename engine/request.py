@@ -72,6 +72,12 @@ class Req:
     grammar: Any = None
     # the service's per-request trace (service.tracing.ReqTrace) or None; opaque to the engine
     trace: Any = None
+    # parallel sampling (n > 1, engine.parallel): choice `index` of the request whose rid is `group`
+    # ("" for a lone request); the parent (choice 0) holds choices 1..n-1 in `forks` until its prompt
+    # is computed, then they fork its KV
+    group: str = ""
+    index: int = 0
+    forks: list[Req] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -90,8 +96,10 @@ class Req:
         return bool(self.host_pages)
 
     def matches(self, rid: str = "", room: int | None = None, everything: bool = False) -> bool:
-        """The abort predicate: selected by its request id, by its bootstrap room, or by `everything`."""
-        return everything or (bool(rid) and self.rid == rid) or (room is not None and self.bootstrap_room == room)
+        """The abort predicate: selected by its request id (or its group's: every choice of an n > 1
+        request), by its bootstrap room, or by `everything`."""
+        return everything or (bool(rid) and rid in (self.rid, self.group)) or \
+            (room is not None and self.bootstrap_room == room)
 
     def finish(self, reason: FinishReason, error: str | None = None, code: int = 0, fault: str = "") -> None:
         """`fault`: the PD role ("prefill"/"decode") that caused an error, when it is the peer's."""

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.grammar import Grammars
 from engine.kv_manager import KVManager, reservation
 from engine.model_runner import ModelRunner
+from engine.parallel import choices
 from engine.request import FinishReason, Req, StopChecker, TailDecoder
 from engine.sampling import Sampler
 
@@ -115,18 +116,27 @@ class ExtendPlanner:
             if new:
                 kv.match(r)
             n = min(len(r.fill_ids) - r.kv_len, cfg.chunked_prefill_size, budget)
-            own = reservation([r], ratio, kv.page_size) if new else 0
-            if n <= 0 or not kv.can_admit(kv.extra_pages(r, n), own, reserved, busy=bool(items or running)):
+            forks = fork_need(kv, r, n) if self.reserve else 0
+            own = reservation(choices(r), ratio, kv.page_size) if new else 0
+            if n <= 0 or not kv.can_admit(kv.extra_pages(r, n) + forks, own, reserved,
+                                          busy=bool(items or running)):
                 if new:
                     kv.unmatch(r)
                 break
             kv.grow(r, n)
-            reserved += own
+            reserved += own + forks  # the forks' pages are taken right after this step's forward
             budget -= n
             items.append(ExtendItem(r, n))
             if not items[-1].completes_prompt:
                 break
         return items
+
+
+def fork_need(kv: KVManager, r: Req, n: int) -> int:
+    """Pages r's forks (n > 1) take once a chunk of n tokens completes its prompt (0 before)."""
+    if not r.forks or r.kv_len + n < len(r.fill_ids):
+        return 0
+    return len(r.forks) * kv.fork_pages(len(r.input_ids))
 
 
 def dedup(reqs: list[Req]) -> list[Req]:
@@ -158,8 +168,10 @@ class Scheduler:
     def add(self, req: Req) -> None:
         err = validate_prompt(req, self.runner.context_length, self.kv, self.cfg.chunked_prefill_size)
         if err:
-            req.finish(FinishReason.ERROR, err, 400)
-            self.outbox.append(req)
+            for r in choices(req):
+                r.finish(FinishReason.ERROR, err, 400)
+                self.outbox.append(r)
+            req.forks = []
             return
         self.waiting.append(req)
 
@@ -191,6 +203,7 @@ class Scheduler:
                 self.running.append(it.req)
                 if self.on_event is not None:
                     self.on_event("running", it.req)
+                self.fork(it.req)
         for r in result.sampled:
             self.outbox.append(r)
             if r.finished:
@@ -200,8 +213,15 @@ class Scheduler:
 
     def join_running(self, r: Req) -> None:
         """Take a request whose prompt KV is already in its pages (kv_len set) and whose first token
-        is in output_ids (PD decode): finish it if that token ends it, else add it to the batch."""
-        self.exec.stops.check(r)
+        is in output_ids (PD decode): finish it if that token ends it, else add it to the batch. Its
+        forks (n > 1), each with its own first token in output_ids, fork its KV first."""
+        forks = list(r.forks)
+        for c in (r, *forks):
+            self.exec.stops.check(c)
+        self.fork(r)
+        for f in forks:
+            if f.finished:
+                self._finish(f, f.finish_reason)  # type: ignore[arg-type]
         if r.finished:
             self._finish(r, r.finish_reason)  # type: ignore[arg-type]
         else:
@@ -210,7 +230,24 @@ class Scheduler:
             if self.on_event is not None:
                 self.on_event("running", r)
 
+    def fork(self, parent: Req) -> None:
+        """n > 1: the parent's prompt is computed and every choice has its first token: each choice
+        not already finished forks the parent's KV (KVManager.fork) and joins the batch."""
+        forks, parent.forks = parent.forks, []
+        for f in forks:
+            if f.finished:
+                continue  # its first token ended it: reported (and freed, holding nothing) by the caller
+            self.kv.fork(parent, f)
+            self.running.append(f)
+            self.outbox.append(f)
+            if self.on_event is not None:
+                self.on_event("running", f)
+
     def _finish(self, r: Req, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
+        for f in r.forks:  # choices still waiting on this one's prompt end with it
+            f.finish(reason, error, code)
+            self.outbox.append(f)
+        r.forks = []
         r.finish(reason, error, code)
         self.kv.release(r)
         if r in self.running:

@@ -3,7 +3,8 @@
 Request path:
   1. (internal token check) -> JSON body -> `service.protocol.parse_*` (400 on any bad field)
   2. GenerateReq -> worker over zmq (`service.launch.WorkerBridge`); the rid's queue collects TokenOuts
-  3. TokenOuts -> `service.responses.RequestTracker` (incremental detokenizer, stop trimming)
+  3. TokenOuts -> `service.responses.RequestTracker` (incremental detokenizer, stop trimming), one per
+     choice (n > 1: by TokenOut.index; a failed choice fails the request and aborts the others)
   4. one JSON body, or SSE chunks then `data: [DONE]`; a client that goes away gets its rid aborted
   5. one log line per request: rid, room, tokens, ttft, e2e; TTFT/ITL/e2e histograms
 
@@ -44,7 +45,7 @@ from service.protocol import (
     parse_generate,
     parse_json_body,
 )
-from service.responses import DONE, RequestTracker, final_body, sse, stream_chunks
+from service.responses import DONE, RequestTracker, choices_body, sse, stream_chunks, usage_chunk
 
 log = logging.getLogger("pdserve.frontend")
 
@@ -109,27 +110,29 @@ class TokenAuth:
         await self.app(scope, receive, send)
 
 
-def _log_finish(tr: RequestTracker, status: int, endpoint: str, state: FrontendState) -> None:
+def _log_finish(trs: list[RequestTracker], status: int, endpoint: str, state: FrontendState) -> None:
+    tr = trs[0]  # choice 0 times the request; tokens count every choice
     e2e = tr.e2e()
     ttft = tr.ttft()
+    completion = sum(len(t.output_ids) for t in trs)
     m = state.metrics
     m.requests.inc(endpoint=endpoint, status=str(status))
     m.prompt_tokens.inc(tr.prompt_tokens)
-    m.generation_tokens.inc(len(tr.output_ids))
+    m.generation_tokens.inc(completion)
     if ttft is not None:
         m.ttft.observe(ttft)
     for itl in tr.itls:
         m.itl.observe(itl)
     m.e2e.observe(e2e)
     fields = {"rid": tr.rid, "room": tr.parsed.req.bootstrap_room, "status": status, "finish": tr.finish_reason,
-              "prompt_tokens": tr.prompt_tokens, "completion_tokens": len(tr.output_ids),
+              "prompt_tokens": tr.prompt_tokens, "completion_tokens": completion, "n": len(trs),
               "cached_tokens": tr.cached_tokens, "ttft": None if ttft is None else round(ttft, 4),
               "e2e": round(e2e, 4), "endpoint": endpoint}
     if tr.span is not None:
         _end_span(tr, fields)
-    log.info("finished rid=%s room=%s status=%d finish=%s prompt_tokens=%d completion_tokens=%d "
+    log.info("finished rid=%s room=%s status=%d finish=%s prompt_tokens=%d completion_tokens=%d n=%d "
              "cached_tokens=%d ttft=%s e2e=%.3f", tr.rid, tr.parsed.req.bootstrap_room, status,
-             tr.finish_reason, tr.prompt_tokens, len(tr.output_ids), tr.cached_tokens,
+             tr.finish_reason, tr.prompt_tokens, completion, len(trs), tr.cached_tokens,
              "-" if ttft is None else f"{ttft:.3f}", e2e,
              extra={**fields, "trace_id": tracing.trace_id(tr.parsed.req.traceparent)})
 
@@ -151,48 +154,63 @@ async def _next_out(queue: asyncio.Queue, request: Request | None) -> Any:
                 return None
 
 
-async def _collect(state: FrontendState, tr: RequestTracker, queue: asyncio.Queue,
+def _done(trs: list[RequestTracker]) -> bool:
+    """Every choice finished, or one failed (an error ends the whole request)."""
+    return all(t.finished for t in trs) or any(t.failed for t in trs)
+
+
+def _failed(trs: list[RequestTracker]) -> RequestTracker | None:
+    return next((t for t in trs if t.failed), None)
+
+
+async def _collect(state: FrontendState, trs: list[RequestTracker], queue: asyncio.Queue,
                    request: Request, endpoint: str) -> Response:
+    tr = trs[0]
     try:
-        while not tr.finished:
+        while not _done(trs):
             out = await _next_out(queue, request)
             if out is None:
                 state.bridge.send_soon(AbortReq(rid=tr.rid, reason="client disconnected"))
-                _log_finish(tr, 499, endpoint, state)
+                _log_finish(trs, 499, endpoint, state)
                 return _error("client disconnected", 499)
-            tr.consume(out)
+            trs[out.index].consume(out)
     finally:
-        _release(state, tr)
-    if tr.failed:
-        _log_finish(tr, tr.error_status(), endpoint, state)
-        return JSONResponse(error_body(tr.error_message(), tr.error_status(), fault=tr.fault),
-                            status_code=tr.error_status())
-    _log_finish(tr, 200, endpoint, state)
-    return JSONResponse(final_body(tr))
+        _release(state, trs)
+    bad = _failed(trs)
+    if bad is not None:
+        _log_finish(trs, bad.error_status(), endpoint, state)
+        return JSONResponse(error_body(bad.error_message(), bad.error_status(), fault=bad.fault),
+                            status_code=bad.error_status())
+    _log_finish(trs, 200, endpoint, state)
+    return JSONResponse(choices_body(trs))
 
 
-async def _stream(state: FrontendState, tr: RequestTracker, queue: asyncio.Queue,
+async def _stream(state: FrontendState, trs: list[RequestTracker], queue: asyncio.Queue,
                   endpoint: str) -> AsyncIterator[bytes]:
     status = 200
-    first = True
+    first = [True] * len(trs)
     try:
-        while not tr.finished:
+        while not _done(trs):
             out = await _next_out(queue, None)
+            tr = trs[out.index]
             delta = tr.consume(out)
             if tr.failed:
                 status = tr.error_status()
                 yield sse(error_body(tr.error_message(), status, fault=tr.fault))
                 break
-            for chunk in stream_chunks(tr, delta, first):
+            for chunk in stream_chunks(tr, delta, first[tr.index]):
                 yield chunk
-            first = False
+            first[tr.index] = False
+        if status == 200 and len(trs) > 1 and trs[0].parsed.include_usage:
+            yield usage_chunk(trs)
         yield DONE
     finally:
-        _end_stream(state, tr, endpoint, status)
+        _end_stream(state, trs, endpoint, status)
 
 
-def _release(state: FrontendState, tr: RequestTracker) -> bool:
+def _release(state: FrontendState, trs: list[RequestTracker]) -> bool:
     """Drop the request's queue and in-flight count once; False if already released."""
+    tr = trs[0]
     if tr.released:
         return False
     tr.released = True
@@ -201,13 +219,13 @@ def _release(state: FrontendState, tr: RequestTracker) -> bool:
     return True
 
 
-def _end_stream(state: FrontendState, tr: RequestTracker, endpoint: str, status: int) -> None:
-    if not _release(state, tr):
+def _end_stream(state: FrontendState, trs: list[RequestTracker], endpoint: str, status: int) -> None:
+    if not _release(state, trs):
         return
-    if not tr.finished:  # the client went away (the generator was cancelled, closed or never started)
-        state.bridge.send_soon(AbortReq(rid=tr.rid, reason="client disconnected"))
-        status = 499
-    _log_finish(tr, status, endpoint, state)
+    if not all(t.finished for t in trs):  # the client went away, or a choice failed: end the others
+        state.bridge.send_soon(AbortReq(rid=trs[0].rid, reason="client disconnected"))
+        status = 499 if status == 200 else status
+    _log_finish(trs, status, endpoint, state)
 
 
 class _SSEResponse(StreamingResponse):
@@ -249,7 +267,8 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
         state.metrics.requests.inc(endpoint=endpoint, status="400")
         return _error("a request with this rid is already running", 400)
     state.in_flight += 1
-    tr = RequestTracker(parsed, state.tokenizer, t0)
+    trs = [RequestTracker(parsed, state.tokenizer, t0, i) for i in range(parsed.choices)]
+    tr = trs[0]
     if tracing.enabled():
         tr.span = tracing.start(f"{state.config.role}.request", request.headers.get(TRACEPARENT),
                                 {"rid": parsed.req.rid, "endpoint": endpoint}, kind="server")
@@ -257,12 +276,12 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
     try:
         await state.bridge.send(parsed.req)
     except BaseException:
-        _release(state, tr)
+        _release(state, trs)
         raise
     if parsed.req.stream:
-        return _SSEResponse(_stream(state, tr, queue, endpoint),
-                            lambda: _end_stream(state, tr, endpoint, 499))
-    return await _collect(state, tr, queue, request, endpoint)
+        return _SSEResponse(_stream(state, trs, queue, endpoint),
+                            lambda: _end_stream(state, trs, endpoint, 499))
+    return await _collect(state, trs, queue, request, endpoint)
 
 
 def _info_routes(app: FastAPI, state: FrontendState) -> None:

@@ -46,7 +46,9 @@ class GenerateReq:
     resumed_tokens: int = 0
     # decode: the router found this request's prefill busy; prefill it here if there is room
     prefill_here: bool = False
-    version: int = VERSION
+    # parallel sampling: n choices over one prompt computed once (engine.parallel); 1..MAX_N
+    n: int = 1
+    version: int = 2  # 2: n
 
 
 @dataclass
@@ -116,12 +118,13 @@ class TokenOut:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    index: int = 0  # the choice (n > 1) these tokens belong to
 
 
 @dataclass
 class TokenBatch:
     outs: list[TokenOut]
-    version: int = VERSION
+    version: int = 2  # 2: TokenOut.index
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
 from engine.grammar import GrammarError, GrammarSpec
+from engine.parallel import MAX_N
 from engine.sampling_params import SamplingParams
 from service.messages import AbortReq, GenerateReq
 from service.tools import ToolError, ToolPlan, parse_tools, render_calls, with_system_prompt
@@ -37,7 +38,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
 MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
-NEUTRAL = {"n": 1, "best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
+NEUTRAL = {"best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
            "suffix": None}
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (engine.logprobs.MAX_TOP_LOGPROBS is the engine's)
 MAX_COMPLETION_LOGPROBS = 5
@@ -83,6 +84,12 @@ class ParsedRequest:
     tools: ToolPlan | None = None  # chat: the tools the reply may call (service.tools)
     echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
 
+    @property
+    def choices(self) -> int:
+        """Choices this service answers with: n, but one on a prefill (it reports choice 0 only:
+        the router needs its status and prompt logprobs, the decode streams every choice)."""
+        return 1 if self.role == "prefill" else self.req.n
+
 
 @dataclass(frozen=True)
 class Resume:
@@ -123,6 +130,8 @@ def _resumed(body: dict[str, Any], ids: list[int], sampling: dict[str, Any],
 
 
 def _apply_resume(parsed: ParsedRequest, resume: Resume | None) -> None:
+    if resume is not None and parsed.req.n > 1:
+        raise RequestError(f"'{RESUME_KEY}' continues one stream; it cannot be combined with 'n' > 1")
     if resume is not None:
         parsed.resumed, parsed.response_id = list(resume.output_ids), resume.response_id
         parsed.req = dataclasses.replace(parsed.req, resumed_tokens=len(resume.output_ids))
@@ -229,13 +238,23 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
                                min_new_tokens=min(sp.min_new_tokens, room))
 
 
+def parse_n(value: Any) -> int:
+    """Choices per request (OpenAI's `n`; SGLang's `sampling_params.n`): an integer in 1..MAX_N."""
+    if value is None:
+        return 1
+    if not _is_int(value) or not 1 <= value <= MAX_N:
+        raise RequestError(f"'n' (choices per request) must be an integer in 1..{MAX_N}, got {value!r}")
+    return value
+
+
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
-          stream: bool, logprobs: bool, top: int = 0, start: int = -1) -> ParsedRequest:
-    """`top`: alternatives per token, `start`: first prompt position with a logprob (-1: none)."""
+          stream: bool, logprobs: bool, top: int = 0, start: int = -1, n: int = 1) -> ParsedRequest:
+    """`top`: alternatives per token, `start`: first prompt position with a logprob (-1: none),
+    `n`: choices (the prompt is computed once, engine.parallel)."""
     host, port, room = parse_bootstrap(body, limits.role)
     req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream, return_logprob=logprobs,
                       top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,
-                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room,
+                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room, n=n,
                       prefill_here=limits.role == "decode" and body.get(PREFILL_HERE_KEY) is True)
     return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
@@ -283,12 +302,13 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     if not isinstance(sp_raw, dict):
         raise RequestError("'sampling_params' must be a JSON object")
     _check_neutral(sp_raw, "sampling_params ")
-    sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL}
+    n = parse_n(sp_raw.get("n"))
+    sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL and k != "n"}
     stream = bool(_opt(body, "stream", (bool,), "a boolean"))
     logprobs, top, start = _generate_logprobs(body, len(ids))
     ids, resume = _resumed(body, ids, sp_raw, limits)
     sp = _sampling(sp_raw, len(ids), limits)
-    parsed = _make("generate", body, ids, sp, limits, stream, logprobs, top, start)
+    parsed = _make("generate", body, ids, sp, limits, stream, logprobs, top, start, n)
     _apply_resume(parsed, resume)
     return parsed
 
@@ -375,7 +395,8 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     sp = _sampling(raw, len(ids), limits)
     echo = echo and resume is None  # a resumed stream's first leg already showed the prompt
     # echo + logprobs: the prompt's tokens too (the first one's logprob is null, as OpenAI's)
-    parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1)
+    parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1,
+                   parse_n(body.get("n")))
     parsed.include_usage = include_usage
     parsed.echo_only = echo_only
     if echo:
@@ -455,7 +476,7 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens")) | grammar
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
-    parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0)
+    parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0, n=parse_n(body.get("n")))
     parsed.include_usage = include_usage
     parsed.tools = plan
     _apply_resume(parsed, resume)

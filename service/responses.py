@@ -10,6 +10,10 @@ For the router (ParsedRequest.token_ids) each stream event with tokens ends with
 (ParsedRequest.resumed) primes the detokenizer with the ids already streamed, so its text continues
 exactly where the first decode's stopped (/generate: its cumulative text and output_ids include
 them); usage counts those ids as output, not prompt.
+n > 1 (ParsedRequest.choices): one tracker per choice, fed by TokenOut.index. OpenAI bodies list
+every choice (`index` 0..n-1), stream chunks carry their choice's `index`, usage counts the prompt
+once and the completion tokens of all choices (one usage chunk at the end of a stream); /generate
+answers a list of n results (SGLang), and each streamed result carries `index`.
 Chat with tools (service/tools.py): a reply that is a tool call becomes `message.tool_calls` (content
 null, finish_reason "tool_calls"); streamed, its text is held back while it may be a call and sent as
 one `delta.tool_calls` chunk.
@@ -39,8 +43,9 @@ def sse(obj: dict[str, Any]) -> bytes:
 class RequestTracker:
     """State of one request in the frontend: text so far, ids, logprobs, timings, finish."""
 
-    def __init__(self, parsed: ParsedRequest, tok: Tokenizer, t_arrival: float) -> None:
+    def __init__(self, parsed: ParsedRequest, tok: Tokenizer, t_arrival: float, index: int = 0) -> None:
         self.parsed = parsed
+        self.index = index  # the choice (n > 1)
         self.tok = tok
         self.text = TextStream(tok, parsed.stop, parsed.skip_special_tokens)
         self.output_ids: list[int] = []
@@ -167,7 +172,10 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
         meta.update(native_lists(tr.entries, "output", top))
         meta.update(native_lists(tr.prompt_lp or [], "input", top))
     # cumulative: a resumed stream's text and ids include what the stream it continues showed
-    return {"text": tr.text.text, "output_ids": tr.parsed.resumed + tr.output_ids, "meta_info": meta}
+    body = {"text": tr.text.text, "output_ids": tr.parsed.resumed + tr.output_ids, "meta_info": meta}
+    if tr.parsed.choices > 1:
+        body["index"] = tr.index
+    return body
 
 
 def _openai_finish(tr: RequestTracker) -> str | None:
@@ -214,13 +222,13 @@ def openai_body(tr: RequestTracker) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": tr.text.text}
         if tr.call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tr.call]}
-        choice: dict[str, Any] = {"index": 0, "message": message,
+        choice: dict[str, Any] = {"index": tr.index, "message": message,
                                   "logprobs": _chat_logprobs(tr, tr.entries) if lp else None,
                                   "finish_reason": _openai_finish(tr)}
         body = _head(tr, "chat.completion")
     else:
         tr.offset = len(tr.parsed.echo or "")
-        choice = {"index": 0, "text": (tr.parsed.echo or "") + tr.text.text,
+        choice = {"index": tr.index, "text": (tr.parsed.echo or "") + tr.text.text,
                   "logprobs": _completion_logprobs(tr, tr.prompt_lp or [], tr.entries) if lp else None,
                   "finish_reason": _openai_finish(tr)}
         body = _head(tr, "text_completion")
@@ -229,8 +237,39 @@ def openai_body(tr: RequestTracker) -> dict[str, Any]:
     return body
 
 
+def usage_of(trs: list[RequestTracker]) -> dict[str, Any]:
+    """Usage of a request's choices: the prompt once (it is computed once), completions summed."""
+    usage = trs[0].usage()
+    done = sum(t.completion_tokens or len(t.output_ids) for t in trs)
+    usage.update(completion_tokens=done, total_tokens=usage["prompt_tokens"] + done)
+    return usage
+
+
 def final_body(tr: RequestTracker) -> dict[str, Any]:
     return native_body(tr) if tr.parsed.kind == "generate" else openai_body(tr)
+
+
+def choices_body(trs: list[RequestTracker]) -> Any:
+    """The answer of a finished request of len(trs) choices: one body (OpenAI: every choice in
+    `choices`), or for /generate with n > 1 a list of n bodies (SGLang's answer)."""
+    if len(trs) == 1:
+        return final_body(trs[0])
+    if trs[0].parsed.kind == "generate":
+        return [native_body(t) for t in trs]
+    body = openai_body(trs[0])
+    if len(trs) > 1:
+        body["choices"] = [openai_body(t)["choices"][0] for t in trs]
+        body["usage"] = usage_of(trs)
+    return body
+
+
+def usage_chunk(trs: list[RequestTracker]) -> bytes:
+    """The last event of a stream with include_usage (no choices, the whole request's usage)."""
+    tr = trs[0]
+    body = _head(tr, "chat.completion.chunk" if tr.parsed.kind == "chat" else "text_completion")
+    body["choices"] = []
+    body["usage"] = usage_of(trs)
+    return sse(body)
 
 
 def _echo_chunk(tr: RequestTracker) -> bytes:
@@ -238,7 +277,7 @@ def _echo_chunk(tr: RequestTracker) -> bytes:
     computed them; in PD the router puts the prefill's in front of this event's lists)."""
     body = _head(tr, "text_completion")
     lp = completion_logprobs(tr.piece, tr.prompt_lp or [], 0)[0] if tr.parsed.logprobs else None
-    body["choices"] = [{"index": 0, "text": tr.parsed.echo, "logprobs": lp, "finish_reason": None}]
+    body["choices"] = [{"index": tr.index, "text": tr.parsed.echo, "logprobs": lp, "finish_reason": None}]
     return sse(body)
 
 
@@ -256,7 +295,7 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
     out: list[bytes] = []
     if kind == "chat" and first and not tr.resumed:
         head = _head(tr, "chat.completion.chunk")
-        head["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        head["choices"] = [{"index": tr.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}]
         out.append(sse(head))
     if kind == "completion" and first and tr.parsed.echo is not None:
@@ -268,22 +307,19 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
     pairs = tr.take_logprobs() if tr.parsed.logprobs else []
     if kind == "chat":
         body = _head(tr, "chat.completion.chunk")
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": delta} if delta else {},
+        choice: dict[str, Any] = {"index": tr.index, "delta": {"content": delta} if delta else {},
                                   "logprobs": _chat_logprobs(tr, pairs) if pairs else None}
         if tr.call is not None:  # the whole call in one delta (OpenAI clients accumulate deltas by index)
             choice["delta"] = {"tool_calls": [{"index": 0, **tr.call}]}
     else:
         body = _head(tr, "text_completion")
-        choice = {"index": 0, "text": delta,
+        choice = {"index": tr.index, "text": delta,
                   "logprobs": _completion_logprobs(tr, [], pairs) if pairs else None}
     choice["finish_reason"] = _openai_finish(tr)
     body["choices"] = [choice]
     if tr.parsed.token_ids:
         body[TOKEN_IDS_KEY], tr.pending_ids = tr.pending_ids, []
     out.append(sse(body))
-    if tr.finished and tr.parsed.include_usage:
-        usage = _head(tr, "chat.completion.chunk" if kind == "chat" else "text_completion")
-        usage["choices"] = []
-        usage["usage"] = tr.usage()
-        out.append(sse(usage))
+    if tr.finished and tr.parsed.include_usage and tr.parsed.choices == 1:  # n > 1: after the last choice
+        out.append(usage_chunk([tr]))
     return out

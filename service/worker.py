@@ -17,6 +17,7 @@ from typing import Protocol
 from common import tracing
 from common.logs import setup_logging
 from engine.kv_manager import KVManager
+from engine.parallel import add_choices
 from engine.request import FinishReason, Req
 from service import messages as m
 from service.channels import WorkerChannels
@@ -28,14 +29,16 @@ log = logging.getLogger("pdserve.worker")
 
 def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     """The engine's request for an already-validated GenerateReq (traced when it carries a traceparent
-    and tracing is on in this process)."""
-    return Req(
+    and tracing is on in this process); with n > 1 it carries choices 1..n-1 (engine.parallel)."""
+    req = Req(
         rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling, stream=msg.stream,
         return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
         logprob_start_len=msg.logprob_start_len, bootstrap_host=msg.bootstrap_host,
         bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
         trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
     )
+    add_choices(req, msg.n)
+    return req
 
 
 def token_out(r: Req) -> m.TokenOut:
@@ -47,7 +50,7 @@ def token_out(r: Req) -> m.TokenOut:
     sent = r.sent_tokens
     r.sent_tokens = len(r.output_ids)
     out = m.TokenOut(
-        rid=r.rid, new_token_ids=r.output_ids[sent:],
+        rid=r.group or r.rid, index=r.index, new_token_ids=r.output_ids[sent:],
         finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
         matched_stop=r.matched_stop, error=r.error, error_code=r.error_code, fault=r.error_fault,
         prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,

@@ -25,24 +25,28 @@ def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
 
 def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut],
             seen: list[m.TokenOut] | None = None) -> None:
+    """Tokens and last TokenOut by rid; choice i > 0 of an n > 1 request by f"{rid}#{i}"."""
     for o in outs:
         if seen is not None:
             seen.append(o)
-        tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+        key = f"{o.rid}#{o.index}" if o.index else o.rid
+        tokens.setdefault(key, []).extend(o.new_token_ids)
         if o.finished:
-            done[o.rid] = o
+            done[key] = o
 
 
-def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams) -> dict[str, list[int]]:
-    """The colocated role's tokens for the same prompts (rids r0, r1, ...); every page freed after."""
+def colocated_tokens(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams,
+                     n: int = 1) -> dict[str, list[int]]:
+    """The colocated role's tokens for the same prompts (rids r0, r1, ...; choice i > 0 of n: r0#i);
+    every page freed after."""
     runner = ModelRunner(cfg)
     kv = kv_manager(runner, cfg.prefix_cache)
     role = ColocatedRole(cfg, runner, kv)
     tokens: dict[str, list[int]] = {}
     done: dict[str, m.TokenOut] = {}
     for i, ids in enumerate(prompts):
-        collect(role.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling)), tokens, done)
-    while len(done) < len(prompts):
+        collect(role.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, n=n)), tokens, done)
+    while len(done) < len(prompts) * n:
         collect(role.step(), tokens, done)
     assert all(o.error is None for o in done.values()), [o.error for o in done.values()]
     kv.flush()  # the prefix cache (when on) keeps finished requests' pages until flushed
@@ -84,7 +88,8 @@ class PDPair:
             collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)),
                     tokens, d_done, seen)
         deadline = time.monotonic() + timeout_s
-        while len(d_done) < len(prompts) or len(p_done) < len(prompts):
+        choices = len(prompts) * extra.get("n", 1)  # the prefill reports choice 0 only
+        while len(d_done) < choices or len(p_done) < len(prompts):
             assert time.monotonic() < deadline, f"stuck: prefill {self.prefill.stats()['queues']}, " \
                                                 f"decode {self.decode.stats()}"
             collect(self.prefill.step(), {}, p_done)

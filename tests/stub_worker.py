@@ -4,7 +4,8 @@ Each request generates the prompt's ids reversed, one token per step, then finis
 an EOS; with ignore_eos it cycles on) or at max_new_tokens,
 with `PDSERVE_STUB_DELAY_S` seconds between steps (default 0.005). It honours stop strings (on the
 decoded output), stop_token_ids, aborts (by rid, room or all), logprobs (fixed values), and the
-prefill role (one token, then finished). Prompts containing `[[stub:error]]` fail with 500,
+prefill role (one token, then finished), and n > 1 (choice i generates the reversed prompt rotated
+by i). Prompts containing `[[stub:error]]` fail with 500,
 `[[stub:crash]]` kills the worker process.
 
 Run a whole service with it: `python -m tests.stub_worker --role prefill --model DIR --port N ...`
@@ -33,6 +34,7 @@ class StubReq:
     max_new: int
     out: list[int] = field(default_factory=list)
     sent_input_lp: bool = False
+    index: int = 0  # the choice (n > 1): its plan is the reversed prompt rotated by index
 
 
 def _context_length(cfg: ServerConfig) -> tuple[int, int]:
@@ -69,13 +71,15 @@ class StubWorker:
             return
         plan = list(reversed(msg.input_ids))
         max_new = 1 if self.cfg.role == "prefill" else msg.sampling.max_new_tokens
-        self.active[msg.rid] = StubReq(msg=msg, plan=plan, max_new=max_new)
+        for i in range(1 if self.cfg.role == "prefill" else msg.n):  # a prefill reports choice 0 only
+            key = msg.rid if i == 0 else f"{msg.rid}#{i}"
+            self.active[key] = StubReq(msg=msg, plan=plan[i:] + plan[:i], max_new=max_new, index=i)
 
     def abort(self, msg: m.AbortReq, outs: list[m.TokenOut]) -> None:
         for rid, r in list(self.active.items()):
-            if msg.abort_all or rid == msg.rid or (msg.room is not None and r.msg.bootstrap_room == msg.room):
+            if msg.abort_all or r.msg.rid == msg.rid or (msg.room is not None and r.msg.bootstrap_room == msg.room):
                 del self.active[rid]
-                outs.append(m.TokenOut(rid=rid, new_token_ids=[], finished=True, finish_reason="abort",
+                outs.append(m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[], finished=True, finish_reason="abort",
                                        error=msg.reason, error_code=499, prompt_tokens=len(r.msg.input_ids),
                                        completion_tokens=len(r.out)))
 
@@ -83,7 +87,7 @@ class StubWorker:
         t = r.plan[len(r.out) % len(r.plan)]
         r.out.append(t)
         sp = r.msg.sampling
-        out = m.TokenOut(rid=r.msg.rid, new_token_ids=[t], prompt_tokens=len(r.msg.input_ids),
+        out = m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[t], prompt_tokens=len(r.msg.input_ids),
                          completion_tokens=len(r.out))
         if r.msg.return_logprob:
             out.new_logprobs = [-0.5]

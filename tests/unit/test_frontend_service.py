@@ -166,6 +166,35 @@ def test_openai_client_completions_and_chat(colo: Service, tok) -> None:  # noqa
     assert text == chat_text(colo, "hey", 7)
 
 
+def test_n_choices_stream_and_not(colo: Service, tok) -> None:  # noqa: ANN001
+    """n=3 with the openai client: three choices by index (the stub's choice i is the reversed
+    prompt rotated by i), usage counts the prompt once; streamed chunks carry their index; /generate
+    answers a list."""
+    import openai
+
+    client = openai.OpenAI(base_url=colo.url + "/v1", api_key="none")
+    prompt = ids_for_output(tok, "abc def")
+    want = [tok.decode(list(reversed(prompt))[i:] + list(reversed(prompt))[:i]) for i in range(3)]
+    cmp = client.completions.create(model="m", prompt=prompt, max_tokens=len(prompt), n=3)
+    assert [c.index for c in cmp.choices] == [0, 1, 2] and [c.text for c in cmp.choices] == want
+    assert cmp.usage.prompt_tokens == len(prompt) and cmp.usage.completion_tokens == 3 * len(prompt)
+    chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=len(prompt), n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert [texts[i] for i in range(3)] == want and chunks[-1].usage.completion_tokens == 3 * len(prompt)
+    msgs = [{"role": "user", "content": "hey"}]
+    chat = client.chat.completions.create(model="m", max_tokens=4, n=3, messages=msgs)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 3
+    streamed = {i: "" for i in range(3)}
+    for ch in client.chat.completions.create(model="m", max_tokens=4, n=3, messages=msgs, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in chat.choices]
+    r = colo.client.post("/generate", json={"input_ids": prompt, "sampling_params": {"n": 2, "max_new_tokens": 3,
+                                                                                 "ignore_eos": True}})
+    assert [b["index"] for b in r.json()] == [0, 1] and all(len(b["output_ids"]) == 3 for b in r.json())
+
+
 def chat_text(svc: Service, content: str, n: int) -> str:
     r = svc.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
                                                       "max_tokens": n})
@@ -200,7 +229,11 @@ BAD = [
     ("/generate", {"input_ids": [1] * 5000}, "context length"),
     ("/v1/completions", {"prompt": "a", "max_tokens": -1}, "max_new_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "10"}, "max_new_tokens"),
-    ("/v1/completions", {"prompt": "a", "n": 3}, "'n'"),
+    ("/v1/completions", {"prompt": "a", "n": 0}, "'n'"),
+    ("/v1/completions", {"prompt": "a", "n": 10000}, "'n'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": "3"}, "'n'"),
+    ("/generate", {"text": "a", "sampling_params": {"n": -1}}, "'n'"),
+    ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "a", "logprobs": 9}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 50}, "top_logprobs"),

@@ -86,7 +86,8 @@ def test_generate_input_ids_sampling_and_flags() -> None:
     ({"text": "a", "sampling_params": {"temperature": "hot"}}, "temperature"),
     ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "unknown"),
-    ({"text": "a", "sampling_params": {"n": 2}}, "not supported"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "'n'"),
+    ({"text": "a", "sampling_params": {"n": 65}}, "1..64"),
     ({"text": "a", "stream": "yes"}, "boolean"),
     ({"text": "a", "return_logprob": 1}, "boolean"),
     ({"text": "a", "rid": 7}, "rid"),
@@ -146,6 +147,10 @@ def test_completion_mapping() -> None:
     assert (s.max_new_tokens, s.temperature, s.top_p, s.seed) == (7, 0.5, 0.9, 3)
     assert s.stop == ("\n",) and p.include_usage and p.logprobs and p.req.stream
     assert parse_completion({"prompt": [5, 6]}, TOK, COLO).req.input_ids == [5, 6]
+    n3 = parse_completion({"prompt": "a", "n": 3}, TOK, COLO)
+    assert n3.req.n == 3 and n3.choices == 3
+    assert parse_completion({"prompt": "a", "n": 3, **BOOT}, TOK, PREFILL).choices == 1  # choice 0 only
+    assert parse_generate({"text": "a", "sampling_params": {"n": 5}}, TOK, COLO).req.n == 5
     assert parse_completion({"prompt": ["ab"]}, TOK, COLO).req.input_ids == TOK.encode("ab")
 
 
@@ -155,7 +160,10 @@ def test_completion_mapping() -> None:
     ({}, "required"),
     ({"prompt": ["a", "b"]}, "one prompt"),
     ({"prompt": {"a": 1}}, "string or a list"),
-    ({"prompt": "a", "n": 2}, "'n'"),
+    ({"prompt": "a", "n": 0}, "'n'"),
+    ({"prompt": "a", "n": 10000}, "1..64"),
+    ({"prompt": "a", "n": True}, "'n'"),
+    ({"prompt": "a", "n": 2.0}, "'n'"),
     ({"prompt": "a", "echo": 1}, "echo"),
     ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "best_of": 3}, "best_of"),

@@ -1,0 +1,103 @@
+"""Parallel sampling (n > 1, engine.parallel) over a tiny random-weight model: the prompt is computed
+once and its full pages shared by the n choices (cache on, and off through the private fork tree),
+greedy choices equal the n=1 answer, seeded choices differ yet are reproducible and equal in PD and
+colocated, and every page is freed after a finish or an abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from colocated_service.worker import ColocatedRole
+from engine.config import EngineConfig
+from engine.memory import pages_for
+from common.api_schema import ChatCompletionRequest, CompletionRequest
+from engine.parallel import MAX_N, choice_seed
+from engine.sampling_params import SamplingParams
+from service import messages as m
+from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
+from tests.tiny_model import make_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, seed=1234, max_new_tokens=6, ignore_eos=True)
+PROMPT = [(7 * i + 3) % 250 for i in range(37)]  # 9 full pages of 4 + 1 token
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def _cfg(model_dir: str, cache: bool, **kw: object) -> EngineConfig:
+    base = dict(model=model_dir, max_total_tokens=1024, host_kv_tokens=512, page_size=4,
+                chunked_prefill_size=64, max_prefill_tokens=64, prefix_cache=cache)
+    return EngineConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _role(model_dir: str, cache: bool) -> ColocatedRole:
+    from engine.model_runner import ModelRunner
+
+    cfg = _cfg(model_dir, cache)
+    runner = ModelRunner(cfg)
+    return ColocatedRole(cfg, runner, kv_manager(runner, cache))
+
+
+def test_choice_seeds_differ_and_keep_choice_zero() -> None:
+    seeds = [choice_seed(1234, i) for i in range(64)]
+    assert seeds[0] == 1234 and len(set(seeds)) == 64 and all(0 <= s < 2**63 for s in seeds)
+    assert choice_seed(None, 3) is None
+    for model in (ChatCompletionRequest, CompletionRequest):  # the OpenAPI document names the same limit
+        assert f"1..{MAX_N}" in (model.model_fields["n"].description or "")
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_prompt_computed_once_and_pages_shared(model_dir: str, cache: bool) -> None:
+    role = _role(model_dir, cache)
+    kv, ps = role.kv, 4
+    role.add(m.GenerateReq(rid="a", input_ids=PROMPT, sampling=GREEDY, n=4))
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, m.TokenOut] = {}
+    collect(role.step(), tokens, done)  # the whole prompt in one chunk, four first tokens
+    assert role.sched.exec.forward_tokens == len(PROMPT)
+    assert len(role.sched.running) == 4 and sorted(tokens) == ["a", "a#1", "a#2", "a#3"]
+    full = len(PROMPT) // ps
+    assert kv.used_tokens == (full + 4) * ps  # one copy of the full pages, a partial page per choice
+    assert 4 * pages_for(len(PROMPT), ps) * ps > 2 * kv.used_tokens  # 4 requests would hold 40 pages
+    while len(done) < 4:
+        collect(role.step(), tokens, done)
+    assert role.sched.exec.forward_tokens == len(PROMPT) + 4 * (GREEDY.max_new_tokens - 1)
+    alone = colocated_tokens(_cfg(model_dir, cache), [PROMPT], GREEDY)["r0"]
+    assert all(tokens[k] == alone for k in tokens)  # greedy: n identical answers, those of n=1
+    assert all(o.prompt_tokens == len(PROMPT) and o.completion_tokens == 6 for o in done.values())
+    kv.flush()
+    assert kv.all_free() and kv.used_tokens == 0
+
+
+def test_seeded_choices_differ_and_reproduce(model_dir: str) -> None:
+    cfg = _cfg(model_dir, True)
+    first = colocated_tokens(cfg, [PROMPT], SEEDED, n=3)
+    again = colocated_tokens(cfg, [PROMPT], SEEDED, n=3)
+    alone = colocated_tokens(cfg, [PROMPT], SEEDED)
+    assert first == again and first["r0"] == alone["r0"]  # choice 0 is the n=1 answer
+    assert len({tuple(t) for t in first.values()}) == 3
+
+
+def test_abort_before_and_after_the_fork_frees_everything(model_dir: str) -> None:
+    role = _role(model_dir, True)
+    long = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    for rid in ("early", "late"):
+        role.add(m.GenerateReq(rid=rid, input_ids=PROMPT + [1, 2], sampling=long, n=3))
+    role.step()
+    role.step()  # one prompt per step (max_prefill_tokens 64)
+    assert len(role.sched.running) == 6
+    role.abort(m.AbortReq(rid="late"))
+    outs = role.step()
+    aborted = [o for o in outs if o.rid == "late" and o.finish_reason == "abort"]
+    assert sorted(o.index for o in aborted) == [0, 1, 2] and len(role.sched.running) == 3
+    role.add(m.GenerateReq(rid="queued", input_ids=list(range(5, 40)), sampling=long, n=3))
+    role.abort(m.AbortReq(rid="queued"))  # before its prompt ran: its forks end with it
+    outs = role.step()
+    assert sorted(o.index for o in outs if o.rid == "queued" and o.finished) == [0, 1, 2]
+    role.abort(m.AbortReq(abort_all=True))
+    role.step()
+    role.kv.flush()
+    assert role.kv.all_free() and not role.sched.has_work()
