@@ -10,7 +10,9 @@ Queues of one request:
              beside the running decodes; so is one the router marks as "its prefill is busy" while
              its KV fits here now and the local queue stays within --local-prefill-max-queued
              tokens. Its prefill is told to end the room without computing
-  running    the prefill's first token is committed; one token per decode step; when pages run out
+  running    the prefill's first token is committed (n > 1: each choice's first token from the
+             metadata, and the choices fork the received KV: Scheduler.join_running); one token per
+             decode step; when pages run out
              the newest running requests are retracted to the host pool and later reloaded
              (engine.scheduler.Scheduler does the running part, as in colocated mode)
 
@@ -28,6 +30,7 @@ from engine.config import EngineConfig
 from engine.kv_manager import KVManager, reservation
 from engine.memory import pages_for
 from engine.model_runner import ModelRunner
+from engine.parallel import choices
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, dedup
 from service import messages as m
@@ -145,14 +148,19 @@ class DecodeRole:
         return [token_out(r) for r in dedup(out)]
 
     def _reserved_pages(self) -> int:
-        pending = reservation((r for r, _, _ in self.transfer.values()), self.cfg.new_token_ratio, self.kv.page_size)
-        return self.sched.reserved_pages() + pending
+        rooms = [r for r, _, _ in self.transfer.values()]
+        pending = reservation((c for r in rooms for c in choices(r)), self.cfg.new_token_ratio, self.kv.page_size)
+        return self.sched.reserved_pages() + pending + sum(self._fork_pages(r) for r in rooms)
+
+    def _fork_pages(self, r: Req) -> int:
+        """Pages r's choices 2..n take when its KV arrives (KVManager.fork)."""
+        return len(r.forks) * self.kv.fork_pages(len(r.input_ids))
 
     def _fits(self, r: Req, busy: bool) -> bool:
         """The admission rule for a whole prompt's KV now (its pages from the window's start on)."""
         n = len(r.input_ids)
-        need = pages_for(n, self.kv.page_size) - self.kv.window_start(n)
-        own = reservation([r], self.cfg.new_token_ratio, self.kv.page_size)
+        need = pages_for(n, self.kv.page_size) - self.kv.window_start(n) + self._fork_pages(r)
+        own = reservation(choices(r), self.cfg.new_token_ratio, self.kv.page_size)
         return self.kv.can_admit(need, own, self._reserved_pages(), busy)
 
     def _admit(self) -> None:
@@ -204,15 +212,34 @@ class DecodeRole:
         if "first_token" not in meta:
             self._report(r, FinishReason.ERROR, "the prefill sent no first token", 500)
             return
+        firsts = [meta["first_token"], *(meta.get("fork_tokens") or [])]
+        if len(firsts) != 1 + len(r.forks):
+            why = f"the prefill sent {len(firsts)} first tokens for n={1 + len(r.forks)}"
+            self._report(r, FinishReason.ERROR, why, 500)
+            return
+        if not self._room_for_forks(r):
+            self._report(r, FinishReason.ERROR, "out of KV memory for the choices of n > 1", 503)
+            return
         r.kv_len = len(r.input_ids)
         r.cached_tokens = int(meta.get("cached_tokens", 0))
-        r.output_ids.append(int(meta["first_token"]))
-        if r.return_logprob:
-            r.output_logprobs.append(float(meta.get("first_logprob", 0.0)))
-            top = meta.get("first_top_logprobs")
-            if r.top_logprobs_num and top:
-                r.output_top_logprobs.append((list(top[0]), list(top[1])))
-        self.sched.join_running(r)
+        lps = [meta.get("first_logprob", 0.0), *(meta.get("fork_logprobs") or [])]
+        tops = [meta.get("first_top_logprobs"), *(meta.get("fork_top_logprobs") or [])]
+        for i, c in enumerate(choices(r)):
+            c.output_ids.append(int(firsts[i]))
+            if c.return_logprob:
+                c.output_logprobs.append(float(lps[i] if i < len(lps) else 0.0))
+                top = tops[i] if i < len(tops) else None
+                if c.top_logprobs_num and top:
+                    c.output_top_logprobs.append((list(top[0]), list(top[1])))
+        self.sched.join_running(r)  # n > 1: the choices fork r's KV first
+
+    def _room_for_forks(self, r: Req) -> bool:
+        """The forks' pages were counted at admission, but running requests may have grown into
+        them since: retract the newest running requests until they fit."""
+        need = self._fork_pages(r)
+        while need > self.kv.free_pages and self.sched.running:
+            self.sched.retract(self.sched.running[-1])
+        return need <= self.kv.free_pages
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
         r, rx, _ = self.transfer.pop(room)
@@ -221,9 +248,11 @@ class DecodeRole:
             self.kv.release(r)
 
     def _report(self, r: Req, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
-        r.finish(reason, error, code, fault)
+        for c in choices(r):  # n > 1: the choices waiting on r end with it
+            c.finish(reason, error, code, fault)
+            self.outbox.append(c)
+        r.forks = []
         self.kv.release(r)
-        self.outbox.append(r)
 
     # ---- reporting ----------------------------------------------------------------------------
     def busy(self) -> int:

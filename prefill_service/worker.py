@@ -7,7 +7,9 @@ Queues of one request (a room):
              taking its longest cached prefix's pages (locked until the room ends), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
              the next chunk computes); the last chunk sends the remaining pages plus metadata
-             (first token, its logprob and top alternatives, room). Sliding-window models send only the last window.
+             (first token, its logprob and top alternatives, room; with n > 1 every choice's first
+             token, sampled from the same last row: `fork_meta`). Sliding-window models send only
+             the last window.
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
              (the cached prefix pages are sent like computed ones: the decode gets the whole prompt)
   done       the prompt's full pages go to the prefix cache, the rest freed; the request reported
@@ -157,6 +159,8 @@ class PrefillRole:
                     meta["first_logprob"] = r.output_logprobs[0]
                 if r.output_top_logprobs:  # [ids, logprobs] of the first token's alternatives
                     meta["first_top_logprobs"] = list(r.output_top_logprobs[0])
+                if r.forks:  # n > 1: every other choice's first token, sampled from the same row
+                    meta.update(fork_meta(r))
                 room.sender.send(r.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.pages)
                 room.t_last_sent = time.monotonic()
@@ -233,6 +237,16 @@ class PrefillRole:
         for room in [*self.bootstrap, *self.waiting, *self.inflight]:
             room.sender.abort("prefill worker shutting down")
         self.mgr.close()
+
+
+def fork_meta(r: Req) -> dict:
+    """The first tokens (and logprobs) of choices 1..n-1, for the decode's forks (engine.parallel)."""
+    meta: dict = {"fork_tokens": [f.output_ids[0] for f in r.forks]}
+    if r.return_logprob:
+        meta["fork_logprobs"] = [f.output_logprobs[0] for f in r.forks]
+    if r.top_logprobs_num:
+        meta["fork_top_logprobs"] = [list(f.output_top_logprobs[0]) for f in r.forks]
+    return meta
 
 
 def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:

@@ -26,7 +26,8 @@ _FINISHED = (b'"finish_reason": "', b'"finish_reason": {')  # OpenAI: a string; 
 
 
 def migratable(req: ProxyRequest, limit: int) -> bool:
-    return limit > 0 and req.stream and req.endpoint in MIGRATABLE
+    """n > 1 streams interleave their choices' tokens: not migrated (one ledger holds one sequence)."""
+    return limit > 0 and req.stream and req.endpoint in MIGRATABLE and req.n == 1
 
 
 def with_token_ids(req: ProxyRequest) -> ProxyRequest:

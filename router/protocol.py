@@ -35,6 +35,7 @@ class ProxyRequest:
     prompt_tokens: int  # estimate
     max_new_tokens: int  # estimate
     input_logprobs: bool  # prefill's input logprobs go in front of decode's
+    n: int = 1  # choices (the decode streams them interleaved, each event with its index)
     trace: Any = None  # the request's span while tracing is on (common.tracing), else None
 
     def prefill_body(self, host: str, port: int, room: int) -> dict:
@@ -114,8 +115,6 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
     _need(isinstance(body, dict), "request body must be a JSON object")
     stream = body.get("stream", False)
     _need(isinstance(stream, bool), "'stream' must be true or false")
-    n = body.get("n", 1)
-    _need(n in (None, 1), "'n' > 1 is not supported: each request is one prefill/decode room")
     prompt = _prompt_of(endpoint, body)
     prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
     tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
@@ -134,28 +133,40 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
         prompt_tokens=tokens,
         max_new_tokens=_max_new_tokens(endpoint, body),
         input_logprobs=input_lp,
+        n=_choices(endpoint, body),
     )
 
 
-def merge_input_logprobs(endpoint: str, prefill: dict, decode: dict) -> dict:
+def _choices(endpoint: str, body: dict) -> int:
+    """The request's `n` as the router needs it (choices stream interleaved, so n > 1 streams are not
+    migrated); the services validate it (a bad n is their 400, relayed)."""
+    where = body.get("sampling_params") if endpoint == "/generate" else body
+    n = where.get("n") if isinstance(where, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
+def merge_input_logprobs(endpoint: str, prefill: dict, decode: Any) -> Any:
     """Put prefill's input logprobs in front of decode's (decode's body is changed and returned).
 
-    /generate: every list under `meta_info` whose key starts with `input_`.
-    /v1/completions (echo + logprobs): the lists of each choice's `logprobs`, matched by index.
+    /generate: every list under `meta_info` whose key starts with `input_` (n > 1: in each result).
+    /v1/completions (echo + logprobs): the lists of each choice's `logprobs`, matched by index (n > 1:
+    the prefill answers choice 0 only, the prompt's logprobs are the same for every choice).
     """
     if endpoint == "/generate":
-        pm, dm = prefill.get("meta_info"), decode.get("meta_info")
-        if isinstance(pm, dict) and isinstance(dm, dict):
-            for key, value in pm.items():
-                if key.startswith("input_") and isinstance(value, list):
-                    rest = dm.get(key)
-                    dm[key] = value + (rest if isinstance(rest, list) else [])
+        pm = prefill.get("meta_info") if isinstance(prefill, dict) else None
+        for result in decode if isinstance(decode, list) else [decode]:
+            dm = result.get("meta_info") if isinstance(result, dict) else None
+            if isinstance(pm, dict) and isinstance(dm, dict):
+                for key, value in pm.items():
+                    if key.startswith("input_") and isinstance(value, list):
+                        rest = dm.get(key)
+                        dm[key] = value + (rest if isinstance(rest, list) else [])
         return decode
     pchoices = {
         c.get("index", i): c for i, c in enumerate(prefill.get("choices") or []) if isinstance(c, dict)
     }
     for i, choice in enumerate(decode.get("choices") or []):
-        pc = pchoices.get(choice.get("index", i)) if isinstance(choice, dict) else None
+        pc = pchoices.get(choice.get("index", i), pchoices.get(0)) if isinstance(choice, dict) else None
         plp, dlp = (pc or {}).get("logprobs"), choice.get("logprobs") if isinstance(choice, dict) else None
         if isinstance(plp, dict) and isinstance(dlp, dict):
             for key in LIST_LOGPROB_KEYS:

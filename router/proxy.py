@@ -312,7 +312,7 @@ class Proxy:
             await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
             res = d_task.result()
             raw = res.raw
-            if req.input_logprobs and isinstance(res.body, dict):
+            if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
                 raw = orjson.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))
             ok = True
             return res.status, raw
@@ -371,7 +371,7 @@ class Proxy:
             await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
             res, start = d_task.result()
             assert start is not None
-            if req.input_logprobs and isinstance(res.body, dict):
+            if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
                 start.first = sse_event(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))[
                     :-2
                 ]

@@ -79,9 +79,9 @@ class StubWorker:
         for rid, r in list(self.active.items()):
             if msg.abort_all or r.msg.rid == msg.rid or (msg.room is not None and r.msg.bootstrap_room == msg.room):
                 del self.active[rid]
-                outs.append(m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[], finished=True, finish_reason="abort",
-                                       error=msg.reason, error_code=499, prompt_tokens=len(r.msg.input_ids),
-                                       completion_tokens=len(r.out)))
+                outs.append(m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[], finished=True,
+                                       finish_reason="abort", error=msg.reason, error_code=499,
+                                       prompt_tokens=len(r.msg.input_ids), completion_tokens=len(r.out)))
 
     def step_one(self, r: StubReq) -> m.TokenOut:
         t = r.plan[len(r.out) % len(r.plan)]

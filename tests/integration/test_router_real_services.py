@@ -288,6 +288,48 @@ def test_tool_choice_required_and_named_give_valid_calls(services, stream):
         assert _tool_call(via, model, stream, choice) == want
 
 
+def _chat_n(c: openai.OpenAI, model: str, stream: bool) -> list[str]:
+    kw = {"model": model, "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 8,
+          "temperature": 1.0, "seed": 11, "n": 3}
+    if not stream:
+        choices = c.chat.completions.create(**kw).choices
+        assert [ch.index for ch in choices] == [0, 1, 2]
+        return [ch.message.content for ch in choices]
+    texts = ["", "", ""]
+    for ch in c.chat.completions.create(**kw, stream=True):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+    return texts
+
+
+def _complete_n(c: openai.OpenAI, model: str, stream: bool) -> list[str]:
+    kw = {"model": model, "prompt": "My favourite animal is", "max_tokens": 8, "temperature": 1.0, "seed": 5,
+          "n": 3}
+    if not stream:
+        res = c.completions.create(**kw)
+        # the prompt (5 tokens) counted once, the completion tokens of all three choices summed
+        assert res.usage.prompt_tokens <= 8 and 3 <= res.usage.completion_tokens <= 24
+        return [ch.text for ch in sorted(res.choices, key=lambda ch: ch.index)]
+    texts = ["", "", ""]
+    for ch in c.completions.create(**kw, stream=True):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+    return texts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_through_router_match_colocated(services, stream):
+    """Issue 16 part 1: n=3, seeded: three different choices by index, the same PD (the prefill computes
+    the prompt once and samples the three first tokens, the decode forks the received KV) and colocated."""
+    router_url, colo_url = services
+    via, colo = _client(router_url), _client(colo_url)
+    model = via.models.list().data[0].id
+    for fn in (_chat_n, _complete_n):
+        want = fn(colo, model, stream)
+        assert len(set(want)) == 3, want
+        assert fn(via, model, stream) == want
+
+
 def test_bad_structured_requests_are_400_and_services_stay_healthy(services):
     router_url, colo_url = services
     msgs = [{"role": "user", "content": "hi"}]
@@ -298,6 +340,9 @@ def test_bad_structured_requests_are_400_and_services_stay_healthy(services):
         ("/v1/chat/completions", {"messages": msgs, "tools": [WEATHER],
                                   "tool_choice": {"type": "function", "function": {"name": "launch"}}},
          "names function 'launch', which is not in 'tools'"),
+        ("/v1/chat/completions", {"messages": msgs, "n": 0}, "'n' (choices per request) must be an integer"),
+        ("/v1/completions", {"prompt": "hi", "n": 10000}, "1..64"),
+        ("/generate", {"text": "hi", "sampling_params": {"n": "2"}}, "'n'"),
     ]
     for url in services:
         for path, body, match in bad:

@@ -46,6 +46,7 @@ def test_ids_go_to_the_router_and_a_resumed_stream_continues_the_first():
     body = {"prompt": "q", "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
     req = parse_request("/v1/completions", body)
     assert migratable(req, 2) and not migratable(req, 0)
+    assert not migratable(parse_request("/v1/completions", {**body, "n": 2}), 2)  # choices interleave
     tr = RequestTracker(parse_completion({**body, **BOOT, "pd_token_ids": True}, TOK, LIM), TOK, 0.0)
     (first,) = _events(tr, "ab", first=True)
     ledger = StreamLedger(first, limit=2)

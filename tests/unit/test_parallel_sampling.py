@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from colocated_service.worker import ColocatedRole
+from common.api_schema import ChatCompletionRequest, CompletionRequest
 from engine.config import EngineConfig
 from engine.memory import pages_for
-from common.api_schema import ChatCompletionRequest, CompletionRequest
 from engine.parallel import MAX_N, choice_seed
 from engine.sampling_params import SamplingParams
 from service import messages as m
@@ -101,3 +101,27 @@ def test_abort_before_and_after_the_fork_frees_everything(model_dir: str) -> Non
     role.step()
     role.kv.flush()
     assert role.kv.all_free() and not role.sched.has_work()
+
+
+def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: str) -> None:
+    """PD (fake data backend, real zmq): the prefill samples the three first tokens, the decode forks
+    the received KV; the texts equal colocated's, and the decode holds one copy of the full pages."""
+    cfg = _cfg(model_dir, True)
+    colo = colocated_tokens(cfg, [PROMPT], SEEDED, n=3)
+    pair = PDPair(cfg)
+    peak = [0]
+
+    def watch(p: PDPair) -> None:
+        peak[0] = max(peak[0], p.d_kv.used_tokens)
+
+    try:
+        tokens, d_done, p_done = pair.run([PROMPT], SEEDED, on_step=watch, fields={"n": 3})
+        assert tokens == colo and len(d_done) == 3 and list(p_done) == ["r0"]
+        assert all(o.prompt_tokens == len(PROMPT) and o.completion_tokens == 6 for o in d_done.values())
+        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPT)  # computed once
+        full, ps = len(PROMPT) // 4, 4
+        # full pages once + per choice: the partial prompt page and the pages its 6 tokens fill
+        assert peak[0] <= (full + 3 * pages_for(len(PROMPT) % ps + 6, ps)) * ps
+        assert pair.d_kv.all_free() and pair.d_kv.used_tokens == 0
+    finally:
+        pair.close()

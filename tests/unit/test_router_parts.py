@@ -181,9 +181,11 @@ def test_parse_request_checks_and_estimates():
     assert parse_request("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 0}).input_logprobs
     body = r.prefill_body("h", 9, 123)
     assert body["stream"] is False and body["bootstrap_room"] == 123 and r.decode_body("h", 9, 1)["stream"]
+    assert parse_request("/v1/completions", {"prompt": "x", "n": 2}).n == 2  # passed through (the services check it)
+    assert parse_request("/generate", {"text": "x", "sampling_params": {"n": 4}}).n == 4
+    assert parse_request("/generate", {"text": "x", "n": 4}).n == 1  # /generate's n is a sampling parameter
     bad = [
         ("/v1/completions", {"prompt": 3}),
-        ("/v1/completions", {"prompt": "x", "n": 2}),
         ("/v1/chat/completions", {"messages": [{"content": "x"}]}),
         ("/generate", {}),
         ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "9"}}),
