@@ -58,8 +58,9 @@ class PDPair:
     """One prefill and one decode role with their own runners and KV managers."""
 
     def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
-                 local_threshold: int = 0, local_max_queued: int = 0) -> None:
-        pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=0.5)
+                 local_threshold: int = 0, local_max_queued: int = 0, heartbeat_s: float = 0.5) -> None:
+        # one thread steps both roles: a forward longer than 3 heartbeats (a real model) needs a larger one
+        pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=heartbeat_s)
         dcfg = decode_cfg or cfg
         p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
         self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner)
@@ -69,13 +70,14 @@ class PDPair:
         self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold,
                                  local_max_queued=local_max_queued)
 
-    def run(self, prompts: list[list[int]], sampling: SamplingParams, timeout_s: float = 120.0,
+    def run(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], timeout_s: float = 120.0,
             on_step: Callable[[PDPair], None] | None = None, fields: dict | None = None,
             seen: list[m.TokenOut] | None = None,
             ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
         """Serve every prompt (rids r0, r1, ...): (decode tokens by rid, decode's last TokenOut by
         rid, prefill's last TokenOut by rid). `on_step` runs after each pair of steps; `fields` are
-        extra GenerateReq fields (logprobs); every decode TokenOut is appended to `seen`."""
+        extra GenerateReq fields (logprobs); every decode TokenOut is appended to `seen`. `sampling`
+        may be a list: one per prompt."""
         extra = fields or {}
         seen = [] if seen is None else seen
         p_done: dict[str, m.TokenOut] = {}
@@ -84,8 +86,9 @@ class PDPair:
         for i, ids in enumerate(prompts):
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.p_mgr.bootstrap_port,
                     "bootstrap_room": 100 + i, **extra}
-            collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)), {}, p_done)
-            collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sampling, **boot)),
+            sp = sampling[i] if isinstance(sampling, list) else sampling
+            collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)), {}, p_done)
+            collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)),
                     tokens, d_done, seen)
         deadline = time.monotonic() + timeout_s
         choices = len(prompts) * extra.get("n", 1)  # the prefill reports choice 0 only
