@@ -178,6 +178,8 @@ async def _collect(state: FrontendState, trs: list[RequestTracker], queue: async
         _release(state, trs)
     bad = _failed(trs)
     if bad is not None:
+        if not all(t.finished for t in trs):  # n > 1: one choice failed, the others stop with it
+            state.bridge.send_soon(AbortReq(rid=tr.rid, reason="another choice of the request failed"))
         _log_finish(trs, bad.error_status(), endpoint, state)
         return JSONResponse(error_body(bad.error_message(), bad.error_status(), fault=bad.fault),
                             status_code=bad.error_status())

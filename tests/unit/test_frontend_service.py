@@ -193,6 +193,9 @@ def test_n_choices_stream_and_not(colo: Service, tok) -> None:  # noqa: ANN001
     r = colo.client.post("/generate", json={"input_ids": prompt, "sampling_params": {"n": 2, "max_new_tokens": 3,
                                                                                  "ignore_eos": True}})
     assert [b["index"] for b in r.json()] == [0, 1] and all(len(b["output_ids"]) == 3 for b in r.json())
+    r = colo.client.post("/v1/completions", json={"prompt": "[[stub:error]]", "n": 3})  # choice 0 fails: all do
+    assert r.status_code == 500 and "refused" in r.json()["error"]["message"]
+    wait_for(lambda: running(colo) == 0, 10, "no choice left running")
 
 
 def chat_text(svc: Service, content: str, n: int) -> str:

@@ -125,3 +125,13 @@ def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: st
         assert pair.d_kv.all_free() and pair.d_kv.used_tokens == 0
     finally:
         pair.close()
+
+
+def test_sliding_window_choices_copy_the_live_pages(tmp_path) -> None:  # noqa: ANN001
+    """A windowed model has no fork tree (a trim would free a shared page): each choice copies the
+    live pages; greedy choices equal n=1 and every page is freed."""
+    model = str(make_tiny_model(tmp_path / "swa", model_type="mistral", sliding_window=8))
+    cfg = _cfg(model, False)
+    alone = colocated_tokens(cfg, [PROMPT], GREEDY)["r0"]
+    forked = colocated_tokens(cfg, [PROMPT], GREEDY, n=3)  # asserts every page is freed
+    assert list(forked.values()) == [alone] * 3
