@@ -135,3 +135,25 @@ def test_sliding_window_choices_copy_the_live_pages(tmp_path) -> None:  # noqa: 
     alone = colocated_tokens(cfg, [PROMPT], GREEDY)["r0"]
     forked = colocated_tokens(cfg, [PROMPT], GREEDY, n=3)  # asserts every page is freed
     assert list(forked.values()) == [alone] * 3
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_choices_retract_and_reload_with_unchanged_outputs(model_dir: str, cache: bool) -> None:
+    """A pool too small for 4 choices of 24 tokens: choices are retracted to the host (their shared
+    pages copied, the lock dropped) and reloaded into fresh pages; outputs equal a big pool's."""
+    long = SamplingParams(temperature=1.0, seed=5, max_new_tokens=24, ignore_eos=True)
+    big = colocated_tokens(_cfg(model_dir, cache), [PROMPT], long, n=4)
+    from engine.model_runner import ModelRunner
+
+    cfg = _cfg(model_dir, cache, max_total_tokens=96, new_token_ratio=0.0)
+    runner = ModelRunner(cfg)
+    kv = kv_manager(runner, cache)
+    role = ColocatedRole(cfg, runner, kv)
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, m.TokenOut] = {}
+    role.add(m.GenerateReq(rid="r0", input_ids=PROMPT, sampling=long, n=4))
+    while len(done) < 4:
+        collect(role.step(), tokens, done)
+    assert tokens == big and kv.retractions > 0 and kv.reloads == kv.retractions
+    kv.flush()
+    assert kv.all_free()
