@@ -159,3 +159,17 @@ def test_choices_retract_and_reload_with_unchanged_outputs(model_dir: str) -> No
     assert tokens == big and kv.retractions > 0 and kv.reloads == kv.retractions
     kv.flush()
     assert kv.all_free()
+
+
+def test_pd_local_prefill_on_the_decode_forks_too(model_dir: str) -> None:
+    """Conditional disaggregation: a short prompt prefilled on the decode itself gives the same n=3
+    seeded choices (the decode's Scheduler forks as the colocated one does)."""
+    cfg = _cfg(model_dir, True)
+    pair = PDPair(cfg, local_threshold=len(PROMPT))
+    try:
+        tokens, d_done, _ = pair.run([PROMPT], SEEDED, fields={"n": 3})
+        assert pair.decode.prefills["local"] == 1 and len(d_done) == 3
+        assert tokens == colocated_tokens(cfg, [PROMPT], SEEDED, n=3)
+        assert pair.d_kv.all_free()
+    finally:
+        pair.close()
