@@ -118,10 +118,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s,
                        help="sjf/lpm: a prompt that has waited this many seconds goes ahead of the policy's order "
                             "(bounds how long a prompt can be passed over)")
-        g.add_argument("--disable-prefix-cache", action="store_true",
-                       help="do not reuse the KV of cached prompt prefixes (radix cache of finished requests' "
-                            "prompt+output pages, evicted LRU when memory is needed); always off on "
-                            "sliding-window models")
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="do not reuse the KV of cached prompt prefixes (radix cache of finished requests' "
+                        "prompt+output pages, evicted LRU when memory is needed; on a decode: the prompt "
+                        "pages it holds are not transferred again); always off on sliding-window models")
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
                         "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
@@ -194,7 +194,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         seed=ns.seed, threads=ns.threads,
         schedule_policy=getattr(ns, "schedule_policy", d_policy),
         schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
-        prefix_cache=role in ("prefill", "colocated") and not getattr(ns, "disable_prefix_cache", False),
+        prefix_cache=role in ("prefill", "decode", "colocated") and not getattr(ns, "disable_prefix_cache", False),
     )
     pd = PDConfig()
     if role in ("prefill", "decode"):
