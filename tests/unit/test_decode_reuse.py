@@ -122,6 +122,25 @@ def test_abort_of_a_decode_cache_hit_releases_its_locks(model_dir: str) -> None:
             collect(pair.decode.step() + pair.prefill.step(), {}, done)
         assert done["b"].finish_reason is not None
         assert pair.decode.busy() == 0 and pair.prefill.busy() == 0
+        assert cache.evictable_pages == cache.cached_pages  # the transfer-phase abort unlocked
+
+        # the same after the KV arrived: a running request over the decode's cached prefix
+        long = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
+        req = m.GenerateReq(rid="c", input_ids=ids + [4, 5], sampling=long, **{**boot, "bootstrap_room": 8})
+        pair.prefill.add(req)
+        pair.decode.add(req)
+        tokens: dict[str, list[int]] = {}
+        for _ in range(5000):  # until it has decoded a few tokens (bounded: a hang fails, not waits)
+            if len(tokens.get("c", [])) >= 3:
+                break
+            collect(pair.decode.step() + pair.prefill.step(), tokens, done)
+            pair.p_mgr.idle_wait(0.002)
+        running = pair.decode.sched.running
+        assert [r.rid for r in running] == ["c"] and running[0].shared_pages == 7
+        assert pair.decode.stats()["counters"]["kv_pages_reused_on_decode"] == 7
+        pair.decode.abort(m.AbortReq(rid="c"))
+        collect(pair.decode.step(), tokens, done)
+        assert done["c"].finish_reason is not None and pair.decode.busy() == 0
         _drained(pair)
     finally:
         pair.close()
