@@ -89,16 +89,18 @@ class DecodeRole:
         return []
 
     def _local_reason(self, req: Req, hinted: bool) -> str:
-        """Why this request is prefilled here ("" = it is not): a short prompt, or a busy prefill (the
+        """Why this request is prefilled here ("" = it is not): a short uncached prompt (with the
+        decode's prefix cache, a conversation's next turn costs only its new tokens), or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
         n = len(req.input_ids)
-        if n <= self.local_threshold:
-            return f"{n} prompt tokens <= {self.local_threshold}"
+        new = n - self.kv.prefix_len(req)  # only what this decode's own prefix cache lacks is computed
+        if new <= self.local_threshold:
+            return f"{new} uncached prompt tokens <= {self.local_threshold}"
         if not hinted:
             return ""
         queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
-        if queued + n > self.local_max_queued:
+        if queued + new > self.local_max_queued:
             return ""
         if not self._fits(req, busy=True):
             return ""

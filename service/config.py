@@ -156,9 +156,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                             "and can miss heartbeats)")
         if role == "decode":
             t.add_argument("--local-prefill-threshold", type=int, default=dp.local_prefill_threshold,
-                           help="conditional disaggregation: a prompt of at most this many tokens is prefilled on "
-                                "this decode instead of its prefill (which is told to skip it); its PD round trip "
-                                "would cost more than the compute. 0 (default): always disaggregate")
+                           help="conditional disaggregation: a prompt of which at most this many tokens are not in "
+                                "this decode's prefix cache is prefilled here instead of on its prefill (which is "
+                                "told to skip it); its PD round trip would cost more than the compute. "
+                                "0 (default): always disaggregate")
             t.add_argument("--local-prefill-budget", type=int, default=dp.local_prefill_budget,
                            help="prompt tokens the local prefills may add to one decode step, so running streams' "
                                 "inter-token latency stays bounded")

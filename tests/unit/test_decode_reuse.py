@@ -31,10 +31,11 @@ def _cfg(model_dir: str, cache: bool, **kw: object) -> EngineConfig:
     return EngineConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def _chat(pair: PDPair, turns: int, sampling: SamplingParams = GREEDY, n: int = 3) -> list[list[list[int]]]:
+def _chat(pair: PDPair, turns: int, sampling: SamplingParams = GREEDY, n: int = 3,
+          system: int = 10) -> list[list[list[int]]]:
     """n multi-turn conversations over the pair: turn t's prompt is turn t-1's prompt + its reply +
-    new tokens (a shared 10-token system prompt). Returns each turn's tokens, by conversation."""
-    history = [list(range(100, 110)) for _ in range(n)]
+    new tokens (a shared `system`-token system prompt). Returns each turn's tokens, by conversation."""
+    history = [list(range(100, 100 + system)) for _ in range(n)]
     out = []
     for t in range(turns):
         prompts = [h + [(13 * c + 5 * t + i) % 250 for i in range(9 + 3 * t + c)] for c, h in enumerate(history)]
@@ -167,3 +168,23 @@ def test_oversubscribed_decode_evicts_and_retracts_with_unchanged_outputs(model_
         _drained(pair)
     finally:
         pair.close()
+
+
+def test_local_prefill_threshold_counts_only_uncached_tokens(model_dir: str) -> None:
+    """Conditional disaggregation over the decode's cache: a conversation's first turn (long) goes
+    PD, its later turns (a long prompt, but only a few tokens the decode's cache lacks) are
+    prefilled on the decode, with the tokens of the run without any cache."""
+    runs = {}
+    for cache in (False, True):
+        pair = PDPair(_cfg(model_dir, cache), decode_cache=cache, local_threshold=24)
+        try:
+            # turn 1: ~50 prompt tokens; later turns add <= 20 the decode's cache lacks
+            runs[cache] = _chat(pair, 3, n=2, system=40)
+            counters = pair.decode.stats()["counters"]
+            runs[(cache, "local")] = counters["prefills_local"]
+            _drained(pair)
+        finally:
+            pair.close()
+    assert runs[True] == runs[False]
+    assert runs[(False, "local")] == 0  # every prompt is longer than 24 tokens
+    assert runs[(True, "local")] == 4  # turns 2 and 3 of both conversations
