@@ -43,25 +43,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 
 def pack_model(model: nn.Module, mode: str) -> int:
-    """Attach `packed` to every nn.Linear of the decoder layers (None when not packed) and
-    `lm_packed` for the output head (`model.lm_head_weight()`); returns how many weights were
-    packed. The fp32 weights stay (the embedding and the unpacked path read them)."""
+    """Once, at load: give every nn.Linear of the decoder layers a `packed` weight (None when not
+    packed) and the model an `lm_packed` output head (`model.lm_head_weight()`); returns how many
+    weights were packed. A packed linear's fp32 weight is then dropped (an empty tensor), so the
+    weights are not held twice; the embedding, tied or not, stays."""
     if mode not in MODES:
         raise ValueError(f"--cpu-gemm must be one of {', '.join(MODES)}, got {mode!r}")
     linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    head = getattr(model, "lm_head", None)
     for m in linears:
         m.packed = None
     model.lm_packed = None
     if mode == "torch" or not linears or not can_pack(linears[0].weight):
         return 0
     try:
-        for m in linears:
-            m.packed = pack(m.weight)
-        model.lm_packed = pack(model.lm_head_weight())
+        packed = [pack(m.weight) for m in linears]
+        lm_packed = pack(model.lm_head_weight())
     except RuntimeError as e:  # an oneDNN build without this op or ISA: plain F.linear still works
-        for m in linears:
-            m.packed = None
-        model.lm_packed = None
         log.warning("oneDNN weight packing failed (%s); using torch's F.linear", e)
         return 0
+    for m, p in zip(linears, packed):
+        m.packed = p
+        _drop_weight(m)
+    model.lm_packed = lm_packed
+    if isinstance(head, nn.Linear):
+        _drop_weight(head)
     return len(linears) + 1
+
+
+def _drop_weight(m: nn.Linear) -> None:
+    m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)

@@ -33,12 +33,20 @@ class _Tiny(nn.Module):
 
 def test_pack_model_modes():
     m = _Tiny()
+    x = torch.randn(5, 8)
+    want = m.layers[1](F.silu(m.layers[0](x)))
     assert cpu_gemm.pack_model(m, "onednn") == 3
     assert all(lin.packed is not None for lin in m.layers) and m.lm_packed is not None
-    assert cpu_gemm.pack_model(m, "torch") == 0
-    assert all(lin.packed is None for lin in m.layers) and m.lm_packed is None
+    assert all(lin.weight.numel() == 0 for lin in m.layers)  # not held twice
+    assert m.embed.weight.shape == (32, 8)  # the embedding (here the tied head) stays
+    a, b = m.layers
+    got = cpu_gemm.linear(F.silu(cpu_gemm.linear(x, a.weight, a.packed)), b.weight, b.packed, b.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = _Tiny()
+    assert cpu_gemm.pack_model(plain, "torch") == 0
+    assert all(lin.packed is None and lin.weight.numel() for lin in plain.layers) and plain.lm_packed is None
     with pytest.raises(ValueError, match="--cpu-gemm"):
-        cpu_gemm.pack_model(m, "mkl")
+        cpu_gemm.pack_model(plain, "mkl")
 
 
 def test_half_precision_is_not_packed():
