@@ -106,6 +106,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens (0: the model's)")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernels (auto: triton on cuda, torch on cpu)")
+    g.add_argument("--cpu-gemm", default=d.cpu_gemm, choices=("onednn", "torch"),
+                   help="float32 linears on CPU: onednn (weights packed once at load; faster at small "
+                        "batches) or torch (F.linear, MKL)")
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
@@ -191,7 +194,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         host_kv_tokens=ns.host_kv_tokens,
         chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
         max_running_requests=ns.max_running_requests, context_length=ns.context_length,
-        attention_backend=ns.attention_backend, new_token_ratio=ns.new_token_ratio,
+        attention_backend=ns.attention_backend, cpu_gemm=ns.cpu_gemm, new_token_ratio=ns.new_token_ratio,
         seed=ns.seed, threads=ns.threads,
         schedule_policy=getattr(ns, "schedule_policy", d_policy),
         schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
