@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per figure (best is kept)")
     p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    p.add_argument("--cpu-gemm", default="onednn", choices=("onednn", "torch"),
+                   help="our engine's float32 CPU linears: oneDNN with packed weights, or torch's F.linear")
     p.add_argument("--out", default="engine_throughput.json", help="where the JSON goes")
     default_vllm = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
     p.add_argument("--vllm-python", default=str(default_vllm) if default_vllm.exists() else "",
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, threads=threads,
                        max_total_tokens=max(tokens_needed, 4096), max_running_requests=max(max_b, 1),
                        max_prefill_tokens=max(a.prompt_len, max_b * a.decode_prompt_len),
-                       chunked_prefill_size=a.prompt_len, attention_backend=a.attention_backend)
+                       chunked_prefill_size=a.prompt_len, attention_backend=a.attention_backend,
+                       cpu_gemm=a.cpu_gemm)
     llm = LLM(cfg)
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     do_sample=False, pad_token_id=0)
 
     results: dict = {"model": str(llm.runner.model_path), "device": a.device, "dtype": a.dtype, "threads": threads,
+                     "cpu_gemm": a.cpu_gemm,
                      "attention_backend": llm.runner.backend.name, "host": platform.node(),
                      "torch": torch.__version__}
     p = prompts(1, a.prompt_len, vocab, 1)

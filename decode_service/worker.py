@@ -4,7 +4,13 @@ Queues of one request:
   prealloc   waiting for KV pages for its prompt; admitted in arrival order when the free pages
              cover the prompt plus the reservation (new_token_ratio of max_new_tokens) of every
              request already admitted; retracted requests are reloaded before anything new
-  transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout)
+             With the prefix cache (on unless --disable-prefix-cache), the prompt's longest cached
+             page-aligned prefix (never its last token) is taken from this decode's own tree,
+             locked, and pages are reserved only for the rest
+  transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout).
+             Decode-side reuse: the TransferInfo names the cached prefix (tokens + hash) and only
+             the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
+             the request goes back to the head of prealloc to ask again for the whole prompt
   local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
              prefilled here instead, in chunks of at most --local-prefill-budget tokens per step
              beside the running decodes; so is one the router marks as "its prefill is busy" while
@@ -16,7 +22,8 @@ Queues of one request:
              the newest running requests are retracted to the host pool and later reloaded
              (engine.scheduler.Scheduler does the running part, as in colocated mode)
 
-Finish, abort or failure frees every page and host copy the request holds.
+Finish, abort or failure frees every page and host copy the request holds (with the cache, its
+prompt+output full pages go to the tree and its lock is dropped).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
 from service.tracing import scheduler_hook
 from service.worker import error_out, run_loop, setup_process, token_out
-from transfer import KVPoll, KVReceiver, TransferError, TransferManager
+from transfer import ErrorCode, KVPoll, KVReceiver, TransferError, TransferManager
 
 log = logging.getLogger("pdserve.decode")
 
@@ -64,6 +71,8 @@ class DecodeRole:
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
         self.outbox: list[Req] = []
         self.tstats = TransferStats()
+        self.whole: set[int] = set()  # rooms whose prefill refused our cached prefix: no reuse
+        self.reuse = {"pages": 0, "refused": 0}  # pages not transferred thanks to reuse; refusals
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
@@ -83,16 +92,18 @@ class DecodeRole:
         return []
 
     def _local_reason(self, req: Req, hinted: bool) -> str:
-        """Why this request is prefilled here ("" = it is not): a short prompt, or a busy prefill (the
+        """Why this request is prefilled here ("" = it is not): a short uncached prompt (with the
+        decode's prefix cache, a conversation's next turn costs only its new tokens), or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
         n = len(req.input_ids)
-        if n <= self.local_threshold:
-            return f"{n} prompt tokens <= {self.local_threshold}"
+        new = n - self.kv.prefix_len(req)  # only what this decode's own prefix cache lacks is computed
+        if new <= self.local_threshold:
+            return f"{new} uncached prompt tokens <= {self.local_threshold}"
         if not hinted:
             return ""
         queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
-        if queued + n > self.local_max_queued:
+        if queued + new > self.local_max_queued:
             return ""
         if not self._fits(req, busy=True):
             return ""
@@ -157,9 +168,10 @@ class DecodeRole:
         return len(r.forks) * self.kv.fork_pages(len(r.input_ids))
 
     def _fits(self, r: Req, busy: bool) -> bool:
-        """The admission rule for a whole prompt's KV now (its pages from the window's start on)."""
+        """The admission rule for a whole prompt's KV now (its pages from the window's start on, less
+        the cached prefix it already holds)."""
         n = len(r.input_ids)
-        need = pages_for(n, self.kv.page_size) - self.kv.window_start(n) + self._fork_pages(r)
+        need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.shared_pages) + self._fork_pages(r)
         own = reservation(choices(r), self.cfg.new_token_ratio, self.kv.page_size)
         return self.kv.can_admit(need, own, self._reserved_pages(), busy)
 
@@ -170,16 +182,23 @@ class DecodeRole:
             if len(self.sched.running) + len(self.sched.waiting) + len(self.transfer) >= self.cfg.max_running_requests:
                 return
             r = self.prealloc[0]
+            if r.bootstrap_room not in self.whole:
+                self.kv.match(r)  # decode-side reuse: the cached prefix's pages, locked (none: no cache)
             if not self._fits(r, busy=bool(self.sched.running or self.transfer)):
+                self.kv.unmatch(r)
                 return  # wait for memory
             self.prealloc.popleft()
-            skip = self.kv.window_start(len(r.input_ids))  # sliding window: pages no query will read
-            need = pages_for(len(r.input_ids), self.kv.page_size) - skip
-            r.pages = [0] * skip + self.kv.pool.allocator.allocate(need)  # 0 marks a page never held
-            r.dropped_pages = skip
+            n = len(r.input_ids)
+            r.dropped_pages = self.kv.window_start(n)  # sliding window: pages no query will read
+            if not r.shared_pages:
+                r.pages = [0] * r.dropped_pages  # 0 marks a page never held
+            skip = len(r.pages)  # pages not transferred: outside the window, or cached here
+            need = pages_for(n, self.kv.page_size) - skip
+            r.pages = r.pages + self.kv.allocate(need)
             addr = f"{r.bootstrap_host}:{r.bootstrap_port}"
+            cached = r.input_ids[: r.shared_pages * self.kv.page_size]
             try:
-                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages[skip:])
+                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages[skip:], cached)
             except (TransferError, ValueError) as e:
                 code = int(e.code) if isinstance(e, TransferError) else 400
                 self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
@@ -192,10 +211,13 @@ class DecodeRole:
     def _poll_transfers(self) -> None:
         for room, (r, rx, t0) in list(self.transfer.items()):
             st = rx.poll()
-            if st == KVPoll.SUCCESS:
+            if st == KVPoll.FAILED and rx.error is not None and rx.error.code == ErrorCode.PREFIX_MISMATCH:
+                self._ask_whole(room)
+            elif st == KVPoll.SUCCESS:
                 meta = rx.metadata or {}
                 self._drop_transfer(room, keep_pages=True)
-                nbytes = (len(r.pages) - r.dropped_pages) * self.page_bytes
+                self.reuse["pages"] += r.shared_pages
+                nbytes = (len(r.pages) - max(r.dropped_pages, r.shared_pages)) * self.page_bytes
                 self.tstats.success(nbytes, time.monotonic() - t0)
                 if r.trace is not None:
                     r.trace.end("kv_transfer", bytes=nbytes)
@@ -206,6 +228,22 @@ class DecodeRole:
                 log.warning("rid=%s room=%d: %s", r.rid, room, message)
                 self._drop_transfer(room)
                 self._report(r, FinishReason.ERROR, message, code, fault)
+
+    def _ask_whole(self, room: int) -> None:
+        """The prefill refused our cached prefix (its prompt hashes otherwise): give back the pages
+        reserved for the rest, drop the lock, and ask again at the head of prealloc, for every page.
+        Nothing was received, so no wrong KV can remain."""
+        r, rx, _ = self.transfer.pop(room)
+        log.warning("rid=%s room=%d: %s; asking for the whole prompt", r.rid, room,
+                    rx.error.message if rx.error else "cached prefix refused")
+        rx.release()
+        self.kv.unreserve(r)
+        self.whole.add(room)
+        self.reuse["refused"] += 1
+        if r.trace is not None:
+            r.trace.end("kv_transfer", refused="cached prefix")
+            r.trace.begin("admission", room=room, prompt_tokens=len(r.input_ids))
+        self.prealloc.appendleft(r)
 
     def _commit(self, r: Req, meta: dict) -> None:
         """The prompt's KV is in place: take the prefill's first token and join the decode batch."""
@@ -220,8 +258,9 @@ class DecodeRole:
         if not self._room_for_forks(r):
             self._report(r, FinishReason.ERROR, "out of KV memory for the choices of n > 1", 503)
             return
+        self.whole.discard(r.bootstrap_room)
         r.kv_len = len(r.input_ids)
-        r.cached_tokens = int(meta.get("cached_tokens", 0))
+        r.cached_tokens = int(meta.get("cached_tokens", 0))  # the prefill's hit: usage reports compute saved
         lps = [meta.get("first_logprob", 0.0), *(meta.get("fork_logprobs") or [])]
         tops = [meta.get("first_top_logprobs"), *(meta.get("fork_top_logprobs") or [])]
         for i, c in enumerate(choices(r)):
@@ -248,6 +287,7 @@ class DecodeRole:
             self.kv.release(r)
 
     def _report(self, r: Req, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
+        self.whole.discard(r.bootstrap_room)
         for c in choices(r):  # n > 1: the choices waiting on r end with it
             c.finish(reason, error, code, fault)
             self.outbox.append(c)
@@ -262,8 +302,12 @@ class DecodeRole:
         s = self.sched.stats()
         s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
         s["counters"].update({f"prefills_{k}": v for k, v in self.prefills.items()})
-        # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests)
-        s["kv_usage"] = round(self.kv.pool.used_tokens / max(1, self.kv.pool.total_tokens), 4)
+        s["counters"].update(kv_pages_reused_on_decode=self.reuse["pages"],
+                             kv_prefix_refused_by_prefill=self.reuse["refused"])
+        s["transfer_bytes_reused_total"] = self.reuse["pages"] * self.page_bytes  # KV not moved thanks to reuse
+        # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests);
+        # the prefix cache's unlocked pages count as free
+        s["kv_usage"] = round(self.kv.used_tokens / max(1, self.kv.pool.total_tokens), 4)
         s["running_requests"] = len(self.sched.running)
         return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
 
@@ -277,7 +321,7 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
                       local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}

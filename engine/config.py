@@ -134,6 +134,7 @@ class EngineConfig:
     max_running_requests: int = 64
     context_length: int = 0  # 0: the model's max_position
     attention_backend: str = "auto"  # auto | torch | triton
+    cpu_gemm: str = "onednn"  # onednn (fp32 CPU linears packed once, engine/models/cpu_gemm.py) | torch
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
@@ -163,6 +164,7 @@ class EngineConfig:
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
+        need(self.cpu_gemm in ("onednn", "torch"), f"--cpu-gemm must be onednn or torch, got {self.cpu_gemm!r}")
         need(0.0 <= self.new_token_ratio <= 1.0, "--new-token-ratio must be in [0, 1]")
         need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
              f"--schedule-policy must be fcfs, sjf or lpm, got {self.schedule_policy!r}")

@@ -88,6 +88,15 @@ class KVManager:
         self.hit_tokens -= req.kv_len
         req.pages, req.kv_len, req.cached_tokens = [], 0, 0
 
+    def unreserve(self, req: Req) -> None:
+        """Give back what a request reserved but never filled (its own pages) and undo its match: a
+        PD decode whose prefill refused its cached prefix starts the transfer over, whole."""
+        own = req.pages[self._head(req) :]
+        del req.pages[self._head(req) :]
+        if own:
+            self.pool.allocator.free(own)
+        self.unmatch(req)
+
     def prefix_len(self, req: Req) -> int:
         """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
         return 0 if self.cache is None else self.cache.match_len(req.fill_ids[:-1])

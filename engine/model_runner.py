@@ -48,7 +48,8 @@ class ModelRunner:
             log.warning("context length %d exceeds the model's %d", self.context_length, mc.max_position)
         self.device = torch.device(cfg.device)
         self.dtype = DTYPES[cfg.dtype]
-        self.model = load_model(self.model_path, mc, cfg.dtype, cfg.device, max(self.context_length, 1) + 1)
+        self.model = load_model(self.model_path, mc, cfg.dtype, cfg.device, max(self.context_length, 1) + 1,
+                                cfg.cpu_gemm)
         self.backend = create_backend(cfg.resolved_attention_backend)
         self.pool = KVPool(cfg.num_pages, mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)

@@ -7,7 +7,8 @@
    links), then the router, pointed at both; all polled for /health from the router namespace.
 3. Worker /metrics and /server_info are read, `pdserve bench` runs inside the router namespace for
    the duration, the pools are polled until kv_used_tokens is 0, and the metrics are read again.
-4. Checks: zero failed requests; both pools fully free; transfer bytes counted by prefill and decode
+4. Checks: zero failed requests; both pools fully free; transfer bytes counted by prefill and decode,
+   plus the bytes the decode's prefix cache held already (`transfer_bytes_reused_total`),
    == sum over requests of ceil(prompt_tokens / page_size) * page_size * kv_bytes_per_token.
 5. Everything is killed and the namespaces deleted (also on SIGINT / SIGTERM / failure).
 Report: OUT/splitnode.json (+ the bench's JSON and PNGs under OUT/bench, service logs in OUT/logs).
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 # services name it differently; the report lists every pdserve_* metric containing "bytes".
 TRANSFER_BYTES_METRIC = "pdserve_worker_transfer_bytes_total"
 TRANSFER_BYTES_LABELS: dict[str, str] = {}  # e.g. {"name": "transfer_bytes"} for a labelled counter
+REUSED_BYTES_METRIC = "pdserve_worker_transfer_bytes_reused_total"  # decode: prompt pages it held already
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROUTER_PORT = 8000
 WORKER_PORT = 30000  # every worker has its own node (address)
@@ -203,10 +205,10 @@ class Cluster:
         return json.loads((out / "bench.json").read_text())
 
 
-def _bytes_delta(before: dict, after: dict, node: str) -> float:
-    a = promtext.total(after[node]["metrics"], TRANSFER_BYTES_METRIC, **TRANSFER_BYTES_LABELS)
-    b = promtext.total(before[node]["metrics"], TRANSFER_BYTES_METRIC, **TRANSFER_BYTES_LABELS)
-    return a - (0.0 if math.isnan(b) else b)
+def _bytes_delta(before: dict, after: dict, node: str, metric: str = TRANSFER_BYTES_METRIC) -> float:
+    a = promtext.total(after[node]["metrics"], metric, **TRANSFER_BYTES_LABELS)
+    b = promtext.total(before[node]["metrics"], metric, **TRANSFER_BYTES_LABELS)
+    return (0.0 if math.isnan(a) and metric != TRANSFER_BYTES_METRIC else a) - (0.0 if math.isnan(b) else b)
 
 
 def check(cfg: SplitNodeConfig, bench: dict, before: dict, after: dict, bytes_per_token: int) -> dict:
@@ -220,6 +222,7 @@ def check(cfg: SplitNodeConfig, bench: dict, before: dict, after: dict, bytes_pe
     prompt_tokens = [r["server_prompt_tokens"] or r["prompt_len"] for r in ok]
     expected = expected_kv_bytes(prompt_tokens, page_size, bytes_per_token)
     moved = {n: _bytes_delta(before, after, n) for n in ("pre", "dec")}
+    reused = _bytes_delta(before, after, "dec", REUSED_BYTES_METRIC)  # decode-side prefix reuse: not moved
     pools = {n: {k: info_value(after[n]["info"], k) for k in ("kv_used_tokens", "kv_total_tokens")}
              for n in after}
     problems = []
@@ -230,10 +233,12 @@ def check(cfg: SplitNodeConfig, bench: dict, before: dict, after: dict, bytes_pe
         if p["kv_used_tokens"] != 0:
             problems.append(f"{n} pool not free after load: {p}")
     for n, v in moved.items():
-        if v != expected:
-            problems.append(f"{n}: {TRANSFER_BYTES_METRIC} moved {v:.0f} bytes, prompts imply {expected}")
+        if v + reused != expected:
+            problems.append(f"{n}: {TRANSFER_BYTES_METRIC} moved {v:.0f} bytes (+ {reused:.0f} reused on the "
+                            f"decode), prompts imply {expected}")
     names = {n: promtext.matching(after[n]["metrics"], "pdserve_", "bytes") for n in after}
-    return {"problems": problems, "expected_kv_bytes": expected, "transfer_bytes": moved, "pools": pools,
+    return {"problems": problems, "expected_kv_bytes": expected, "transfer_bytes": moved,
+            "reused_kv_bytes": reused, "pools": pools,
             "kv_bytes_per_token": bytes_per_token, "page_size": page_size, "requests": len(reqs),
             "byte_metrics_seen": names}
 

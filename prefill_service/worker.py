@@ -1,7 +1,10 @@
 """Prefill worker: compute each prompt's KV chunk by chunk and stream it to the room's decode.
 
 Queues of one request (a room):
-  bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies)
+  bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies).
+             A decode that holds the prompt's first pages itself (decode-side prefix reuse) names
+             them by count and hash; if they hash as this prompt's, those pages are never sent
+             (Room.first_page), else the TransferInfo is refused and the decode asks again, whole
   waiting    the decode is ready; prompt chunks run in extend batches under the token budget, in
              the --schedule-policy order (sjf: shortest prompt first, aging bound), each new prompt
              taking its longest cached prefix's pages (locked until the room ends), and after each
@@ -11,7 +14,8 @@ Queues of one request (a room):
              token, sampled from the same last row: `fork_meta`). Sliding-window models send only
              the last window.
   inflight   everything queued for sending; waiting for the decode's SUCCESS ack
-             (the cached prefix pages are sent like computed ones: the decode gets the whole prompt)
+             (this side's cached prefix pages are sent like computed ones: the decode gets every
+             prompt page it did not name as its own)
   done       the prompt's full pages go to the prefix cache, the rest freed; the request reported
              finished with its first token (and input logprobs)
 
@@ -80,7 +84,7 @@ class PrefillRole:
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
-            sender = self.mgr.create_sender(req.bootstrap_room)
+            sender = self.mgr.create_sender(req.bootstrap_room, req.input_ids)
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
         start = self.kv.window_start(len(req.input_ids))  # the decode reads nothing before it
@@ -138,6 +142,8 @@ class PrefillRole:
                 self._end(room, FinishReason.LENGTH, None, 0)
             elif st >= KVPoll.WAITING_FOR_INPUT:
                 self.bootstrap.remove(room)
+                if room.sender.reused_pages:  # decode-side reuse: it holds these pages already
+                    room.first_page = room.sent_pages = room.sender.reused_pages
                 room.t_ready = time.monotonic()
                 self.waiting.append(room)
                 if room.req.trace is not None:

@@ -106,6 +106,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens (0: the model's)")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="attention kernels (auto: triton on cuda, torch on cpu)")
+    g.add_argument("--cpu-gemm", default=d.cpu_gemm, choices=("onednn", "torch"),
+                   help="float32 linears on CPU: onednn (weights packed once at load; faster at small "
+                        "batches) or torch (F.linear, MKL)")
     g.add_argument("--new-token-ratio", type=float, default=d.new_token_ratio,
                    help="share of each request's max_new_tokens reserved in KV when admitting it")
     g.add_argument("--seed", type=int, default=0, help="default sampling seed")
@@ -118,10 +121,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
         g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s,
                        help="sjf/lpm: a prompt that has waited this many seconds goes ahead of the policy's order "
                             "(bounds how long a prompt can be passed over)")
-        g.add_argument("--disable-prefix-cache", action="store_true",
-                       help="do not reuse the KV of cached prompt prefixes (radix cache of finished requests' "
-                            "prompt+output pages, evicted LRU when memory is needed); always off on "
-                            "sliding-window models")
+    g.add_argument("--disable-prefix-cache", action="store_true",
+                   help="do not reuse the KV of cached prompt prefixes (radix cache of finished requests' "
+                        "prompt+output pages, evicted LRU when memory is needed; on a decode: the prompt "
+                        "pages it holds are not transferred again); always off on sliding-window models")
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
                         "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
@@ -156,9 +159,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                             "and can miss heartbeats)")
         if role == "decode":
             t.add_argument("--local-prefill-threshold", type=int, default=dp.local_prefill_threshold,
-                           help="conditional disaggregation: a prompt of at most this many tokens is prefilled on "
-                                "this decode instead of its prefill (which is told to skip it); its PD round trip "
-                                "would cost more than the compute. 0 (default): always disaggregate")
+                           help="conditional disaggregation: a prompt of which at most this many tokens are not in "
+                                "this decode's prefix cache is prefilled here instead of on its prefill (which is "
+                                "told to skip it); its PD round trip would cost more than the compute. "
+                                "0 (default): always disaggregate")
             t.add_argument("--local-prefill-budget", type=int, default=dp.local_prefill_budget,
                            help="prompt tokens the local prefills may add to one decode step, so running streams' "
                                 "inter-token latency stays bounded")
@@ -190,11 +194,11 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
         host_kv_tokens=ns.host_kv_tokens,
         chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
         max_running_requests=ns.max_running_requests, context_length=ns.context_length,
-        attention_backend=ns.attention_backend, new_token_ratio=ns.new_token_ratio,
+        attention_backend=ns.attention_backend, cpu_gemm=ns.cpu_gemm, new_token_ratio=ns.new_token_ratio,
         seed=ns.seed, threads=ns.threads,
         schedule_policy=getattr(ns, "schedule_policy", d_policy),
         schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
-        prefix_cache=role in ("prefill", "colocated") and not getattr(ns, "disable_prefix_cache", False),
+        prefix_cache=role in ("prefill", "decode", "colocated") and not getattr(ns, "disable_prefix_cache", False),
     )
     pd = PDConfig()
     if role in ("prefill", "decode"):

@@ -58,12 +58,15 @@ class PDPair:
     """One prefill and one decode role with their own runners and KV managers."""
 
     def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
-                 local_threshold: int = 0, local_max_queued: int = 0, heartbeat_s: float = 0.5) -> None:
-        # one thread steps both roles: a forward longer than 3 heartbeats (a real model) needs a larger one
+                 local_threshold: int = 0, local_max_queued: int = 0, decode_cache: bool = False,
+                 heartbeat_s: float = 0.5) -> None:
+        """`decode_cache`: the decode keeps its own prefix cache (decode-side reuse), as
+        `pdserve decode` does unless --disable-prefix-cache. One thread steps both roles: a forward
+        longer than 3 heartbeats (a real model) needs a larger `heartbeat_s`."""
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=heartbeat_s)
         dcfg = decode_cfg or cfg
         p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
-        self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner)
+        self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner, decode_cache)
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
@@ -73,7 +76,7 @@ class PDPair:
     def run(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], timeout_s: float = 120.0,
             on_step: Callable[[PDPair], None] | None = None, fields: dict | None = None,
             seen: list[m.TokenOut] | None = None,
-            ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
+            room_base: int = 100) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], dict[str, m.TokenOut]]:
         """Serve every prompt (rids r0, r1, ...): (decode tokens by rid, decode's last TokenOut by
         rid, prefill's last TokenOut by rid). `on_step` runs after each pair of steps; `fields` are
         extra GenerateReq fields (logprobs); every decode TokenOut is appended to `seen`. `sampling`
@@ -85,7 +88,7 @@ class PDPair:
         d_done: dict[str, m.TokenOut] = {}
         for i, ids in enumerate(prompts):
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.p_mgr.bootstrap_port,
-                    "bootstrap_room": 100 + i, **extra}
+                    "bootstrap_room": room_base + i, **extra}
             sp = sampling[i] if isinstance(sampling, list) else sampling
             collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)), {}, p_done)
             collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)),

@@ -3,9 +3,10 @@
 API (one TransferManager per worker process; the worker loop calls progress() every iteration):
 
     mgr = TransferManager(TransferConfig(role="prefill"), kv_pool, compat)   # mgr.bootstrap_port
-    s = mgr.create_sender(room); s.poll(); s.send(pages, is_last, metadata); s.abort(r); s.release()
+    s = mgr.create_sender(room, prompt_ids); s.poll(); s.reused_pages; s.send(pages, is_last, metadata)
+    s.abort(r); s.release()
     mgr = TransferManager(TransferConfig(role="decode"), kv_pool, compat)
-    r = mgr.create_receiver(room, "host:port", dst_pages); r.poll(); r.metadata; r.release()
+    r = mgr.create_receiver(room, "host:port", dst_pages, cached_ids); r.poll(); r.metadata; r.release()
     with mgr.background(): run_forward()   # the progress thread moves bytes/acks/heartbeats meanwhile
 
 State per room, ordered so min() over ranks/rooms is the consensus:
@@ -27,8 +28,11 @@ Message flow (transfer/messages.py, msgpack with `version`, cluster token on eve
     BootstrapQuery  ---- bootstrap server (advertise_host:bootstrap_port, zmq ROUTER) ---->
                     <--- PrefillRegistration (control endpoint, UCX worker address) -------
     TransferInfo    ---- control endpoint (zmq ROUTER, free port) ------------------------>
-      (room, decode UCX address, dst pages, metadata slot, compat hash + fields)
+      (room, decode UCX address, dst pages, metadata slot, compat hash + fields,
+       cached_tokens + cached_hash: the prompt prefix the decode holds; dst pages start after it)
                     <--- TransferStatus(WAITING_FOR_INPUT) | Abort(reason, code) ----------
+      (Abort(PREFIX_MISMATCH): the prefix is not this prompt's; the room stays open and the
+       decode sends a second TransferInfo with cached_tokens 0 and pages for the whole prompt)
                     <=== UCX tagged messages, tag = (slot << 32) | seq ====================
                     <--- ChunkManifest(room, [[seq, dst positions]], total, is_last, meta) -
     TransferStatus(SUCCESS) ------------------------------------------------------------->

@@ -3,8 +3,10 @@
 1. create_receiver(room, "host:port", dst_pages): the first room for a prefill sends a
    BootstrapQuery to its bootstrap server; the PrefillRegistration answer names the control
    endpoint, which this side connects to (DEALER, identity = engine id).
-2. TransferInfo (UCX address, dst pages, slot, compatibility hash) goes out; the prefill acks it
-   (WAITING_FOR_INPUT) or aborts (token, hash mismatch naming the field, duplicate room).
+2. TransferInfo (UCX address, dst pages, slot, compatibility hash; with decode-side prefix reuse
+   the cached prefix's length and prefix_hash, dst pages then covering only the pages after it) goes
+   out; the prefill acks it (WAITING_FOR_INPUT) or aborts (token, hash mismatch naming the field,
+   duplicate room; PREFIX_MISMATCH: the caller releases the receiver and asks again, whole).
 3. Each ChunkManifest announces tagged UCX messages; the receiver probes for them and receives
    straight into consecutive dst pages, or into a staging buffer it scatters.
 4. All pages + metadata in place -> SUCCESS, acked to the prefill with TransferStatus(SUCCESS).
@@ -40,6 +42,7 @@ from transfer.messages import (
     PrefillRegistration,
     TransferInfo,
     TransferStatus,
+    prefix_hash,
 )
 from transfer.rooms import KVReceiver
 from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
@@ -106,7 +109,10 @@ class DecodeSide:
         self._next_sweep = 0.0
 
     # ---- API -------------------------------------------------------------------------------
-    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int]) -> KVReceiver:
+    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
+                        cached_ids: list[int] | None = None) -> KVReceiver:
+        """`cached_ids`: the prompt's leading token ids whose KV this decode holds (whole pages);
+        dst_pages are for the pages after them."""
         if room in self.receivers:
             raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a receiver already exists")
         endpoint = _parse_addr(bootstrap_addr)
@@ -120,8 +126,10 @@ class DecodeSide:
             peer.last_seen = time.monotonic()  # a peer idle until now gets a fresh grace period
         peer.rooms.add(room)
         self.receivers[room] = recv
+        cached = list(cached_ids or ())
         peer.send(TransferInfo(room, self.engine_id, self.backend.address, list(dst_pages), recv.slot,
-                               self.compat.digest(), self.compat.to_dict()))
+                               self.compat.digest(), self.compat.to_dict(), cached_tokens=len(cached),
+                               cached_hash=prefix_hash(cached) if cached else ""))
         return recv
 
     def decline(self, room: int, bootstrap_addr: str) -> None:

@@ -83,15 +83,19 @@ class TransferManager:
             raise AttributeError("bootstrap_port exists on the prefill role only")
         return self._side.bootstrap.port
 
-    def create_sender(self, room: int) -> KVSender:
+    def create_sender(self, room: int, prompt_ids: list[int] | None = None) -> KVSender:
+        """`prompt_ids` lets the sender check a decode's cached prefix (decode-side reuse)."""
         if not isinstance(self._side, PrefillSide):
             raise ValueError("create_sender needs role='prefill'")
-        return self._side.create_sender(room)
+        return self._side.create_sender(room, prompt_ids)
 
-    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int]) -> KVReceiver:
+    def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
+                        cached_ids: list[int] | None = None) -> KVReceiver:
+        """`cached_ids`: leading prompt ids (whole pages) whose KV this decode already holds;
+        `dst_pages` are for the prompt's pages after them."""
         if not isinstance(self._side, DecodeSide):
             raise ValueError("create_receiver needs role='decode'")
-        return self._side.create_receiver(room, bootstrap_addr, dst_pages)
+        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids)
 
     def decline_room(self, room: int, bootstrap_addr: str) -> None:
         """Decode: this worker prefills `room` itself; its prefill ends the room without computing."""

@@ -14,12 +14,14 @@ prefill -> decode:                   TransferStatus(WAITING_FOR_INPUT ack), Chun
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.codec import Codec
 
-VERSION = 2  # 2: TransferInfo.local_prefill
+VERSION = 3  # 2: TransferInfo.local_prefill; 3: TransferInfo.cached_tokens/cached_hash
 
 
 @dataclass
@@ -50,6 +52,12 @@ class TransferInfo:
     compat_hash / compat: CompatInfo digest and fields (the fields name a mismatch).
     local_prefill: the decode computes this prompt itself (conditional disaggregation): nothing is
     sent; the prefill ends the room without computing it (dst_pages empty, metadata_slot 0).
+    cached_tokens / cached_hash (decode-side prefix reuse): the decode already holds the KV of the
+    prompt's first `cached_tokens` tokens (a whole number of pages, never the last prompt token) and
+    `cached_hash` = prefix_hash(those token ids). dst_pages then cover only the pages after them:
+    dst position 0 is prompt page cached_tokens // page_size. A prefill whose own prompt does not
+    hash the same refuses the TransferInfo with Abort(PREFIX_MISMATCH) and keeps the room waiting
+    for another; the decode sends one again with cached_tokens 0 and pages for the whole prompt.
     """
 
     room: int
@@ -61,7 +69,14 @@ class TransferInfo:
     compat: dict[str, Any]
     token: str | None = None
     local_prefill: bool = False
+    cached_tokens: int = 0
+    cached_hash: str = ""
     version: int = VERSION
+
+
+def prefix_hash(ids: list[int]) -> str:
+    """The digest both sides compute over a prompt prefix's token ids (TransferInfo.cached_hash)."""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass

@@ -5,7 +5,11 @@
 2. The control endpoint (ROUTER, free port) takes TransferInfo. It is checked (cluster token,
    compatibility hash: a mismatch names the field, duplicate room) and acked with
    TransferStatus(WAITING_FOR_INPUT), or refused with an Abort. A TransferInfo that arrives before
-   create_sender() is buffered for up to bootstrap_timeout_s.
+   create_sender() is buffered for up to bootstrap_timeout_s. Decode-side prefix reuse: a
+   TransferInfo with cached_tokens > 0 is accepted only when prefix_hash of this room's own first
+   cached_tokens prompt ids equals its cached_hash (the sender then skips that many pages,
+   `KVSender.reused_pages`); otherwise it is refused with Abort(PREFIX_MISMATCH) and the room stays
+   BOOTSTRAPPING, waiting for the decode's second TransferInfo (the whole prompt).
 3. Each send() queues pages; step() posts them over UCX and sends a ChunkManifest per chunk.
 4. The decode's TransferStatus(SUCCESS) plus all local sends done -> sender SUCCESS.
 Timers: no TransferInfo within bootstrap_timeout_s -> FAILED; a decode silent for 3 heartbeat
@@ -33,6 +37,7 @@ from transfer.messages import (
     PrefillRegistration,
     TransferInfo,
     TransferStatus,
+    prefix_hash,
 )
 from transfer.rooms import KVSender
 from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
@@ -61,12 +66,16 @@ class PrefillSide:
         self.peer_ucx: dict[bytes, bytes] = {}
         self.draining: list[Handle] = []
         self.aborts_unacked: dict[int, float] = {}
+        self.prefix_refusals = 0  # TransferInfos whose cached prefix did not match the prompt
 
     # ---- API -------------------------------------------------------------------------------
-    def create_sender(self, room: int) -> KVSender:
+    def create_sender(self, room: int, prompt_ids: list[int] | None = None) -> KVSender:
+        """`prompt_ids`: the room's prompt, to check a decode's cached prefix against (None: a
+        TransferInfo with cached_tokens is always refused)."""
         if room in self.senders:
             raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a sender already exists")
         sender = KVSender(room, self._notify, self.release, self.pages, self.backend)
+        sender.prompt_ids = prompt_ids
         self.senders[room] = sender
         if room in self.rejected:
             err, _ = self.rejected.pop(room)
@@ -76,8 +85,31 @@ class PrefillSide:
             if info.local_prefill:
                 sender.decline()
             else:
-                sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
+                self._accept(sender, identity, info)
         return sender
+
+    def _accept(self, sender: KVSender, identity: bytes, info: TransferInfo) -> None:
+        """Take the decode's TransferInfo, or refuse a cached prefix this prompt does not start with."""
+        why = self._prefix_problem(info, sender.prompt_ids)
+        if why is not None:
+            log.info("room %d: decode's cached prefix refused (%s): it sends the whole prompt's pages", info.room, why)
+            self.prefix_refusals += 1
+            self.control.send(identity, Abort(info.room, why, ErrorCode.PREFIX_MISMATCH))
+            return
+        sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot,
+                      info.cached_tokens // self.compat.page_size)
+
+    def _prefix_problem(self, info: TransferInfo, prompt_ids: list[int] | None) -> str | None:
+        n = info.cached_tokens
+        if not n:
+            return None
+        if prompt_ids is None:
+            return "this prefill cannot check a cached prefix"
+        if n < 0 or n % self.compat.page_size or n >= len(prompt_ids):
+            return f"cached_tokens {n} is not whole pages before the last of {len(prompt_ids)} prompt tokens"
+        if prefix_hash(prompt_ids[:n]) != info.cached_hash:
+            return f"the decode's {n} cached tokens are not this prompt's (hash mismatch)"
+        return None
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.bootstrap.sock, self.control.sock]
@@ -147,7 +179,7 @@ class PrefillSide:
         if sender is None:
             self.early[room] = (info, identity, time.monotonic())
         else:
-            sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot)
+            self._accept(sender, identity, info)
 
     def _check_info(self, info: TransferInfo) -> tuple[ErrorCode, str] | None:
         if info.compat_hash != self._hash:
@@ -233,7 +265,7 @@ class PrefillSide:
         return {"senders": len(self.senders), "early_infos": len(self.early),
                 "pending_sends": sum(s.pending() for s in self.senders.values()),
                 "draining": len(self.draining), "peers": len(self.peers),
-                "control_dropped": dict(self.dropped.counts)}
+                "prefix_refusals": self.prefix_refusals, "control_dropped": dict(self.dropped.counts)}
 
     def close(self) -> None:
         self.bootstrap.close()

@@ -98,6 +98,8 @@ class KVSender(_Room):
         self._queue: list[_Chunk] = []
         self._inflight: list[Handle] = []
         self.declined = False  # the decode prefills this prompt itself; SUCCESS with nothing sent
+        self.prompt_ids: list[int] | None = None  # to check a decode's cached prefix (PrefillSide)
+        self.reused_pages = 0  # leading prompt pages the decode already holds: never sent
 
     def decline(self) -> None:
         """The decode computes the prompt itself: BOOTSTRAPPING -> SUCCESS, nothing to send."""
@@ -106,9 +108,12 @@ class KVSender(_Room):
             self.state = KVPoll.SUCCESS
             self._free()
 
-    def accept(self, identity: bytes, ucx_address: bytes, dst_pages: list[int], slot: int) -> None:
-        """TransferInfo arrived: BOOTSTRAPPING -> WAITING_FOR_INPUT."""
-        self.peer_identity, self._peer_ucx = identity, ucx_address
+    def accept(self, identity: bytes, ucx_address: bytes, dst_pages: list[int], slot: int,
+               reused_pages: int = 0) -> None:
+        """TransferInfo arrived: BOOTSTRAPPING -> WAITING_FOR_INPUT. `reused_pages`: the decode holds
+        the prompt's first pages already; dst position 0 is prompt page `reused_pages`, and the
+        caller sends from there on."""
+        self.peer_identity, self._peer_ucx, self.reused_pages = identity, ucx_address, reused_pages
         self._dst_pages, self._slot, self.num_dst_pages = dst_pages, slot, len(dst_pages)
         if self.state == KVPoll.BOOTSTRAPPING:
             self.state = KVPoll.WAITING_FOR_INPUT

@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     TIMEOUT = 408  # bootstrap or waiting timeout
     DUPLICATE_ROOM = 409  # a second sender/receiver/TransferInfo for one room
     INCOMPATIBLE = 412  # compatibility hash mismatch (field named in the message)
+    PREFIX_MISMATCH = 428  # the decode's cached prefix is not this prompt's: it asks again, whole
     ABORTED = 499  # aborted locally or by the peer
     TRANSPORT = 500  # UCX error on a send or receive
     PEER_LOST = 503  # peer missed 3 heartbeats

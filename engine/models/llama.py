@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.memory import KVPool
+from engine.models import cpu_gemm
 
 
 @dataclass
@@ -26,6 +27,11 @@ class ForwardContext:
     meta: AttentionMetadata
     out_page: torch.Tensor  # int64 [T] page of each new token
     out_offset: torch.Tensor  # int64 [T] slot inside that page
+
+
+def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """m(x), through m's oneDNN-packed weight when the loader packed one (engine/models/cpu_gemm.py)."""
+    return cpu_gemm.linear(x, m.weight, getattr(m, "packed", None), m.bias)
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +97,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq+2Hkv)*D]
+        qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = rotary(q.view(t, self.hq, self.d), positions)  # [T, Hq, D]
         k = rotary(k.view(t, self.hkv, self.d), positions)  # [T, Hkv, D]
@@ -99,7 +105,7 @@ class Attention(nn.Module):
         ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
         k_pages, v_pages = ctx.pool.layer(self.layer_id)
         o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.hq * self.d))
+        return linear(self.o_proj, o.reshape(t, self.hq * self.d))
 
 
 class MLP(nn.Module):
@@ -110,8 +116,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(self.gate_up_proj, x).split(self.inter, dim=-1)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -149,5 +155,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> fp32 logits [N, vocab]."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return cpu_gemm.linear(hidden, self.lm_head_weight(), getattr(self, "lm_packed", None)).float()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.models.cpu_gemm import pack_model
 from engine.models.llama import LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,7 +30,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: int) -> LlamaForCausalLM:
+def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: int,
+               cpu_gemm: str = "onednn") -> LlamaForCausalLM:
     raw = _read_tensors(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_pos)
@@ -77,4 +79,5 @@ def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: i
     # rotary tables were allocated on meta; rebuild them on the target device in fp32
     rot = type(model.rotary)(cfg, max_pos)
     model.rotary = rot.to(device)
+    pack_model(model, cpu_gemm)
     return model.eval()

@@ -367,7 +367,8 @@ WANT_SPANS = {
 
 def test_prefix_cache_usage_and_flush(stack):
     """Issue 14: a repeated prompt reports cached_tokens in usage (colocated, and PD through the
-    router), with the same greedy text; /flush_cache empties the cache when idle, on the colocated
+    router, where a decode that saw it before receives only its uncached pages), with the same
+    greedy text; /flush_cache empties the cache when idle, on the colocated
     service and on every PD worker."""
     colo = stack["colo"]
     msgs = [{"role": "user", "content": "Describe a lighthouse at night in a few calm sentences. " * 4}]
@@ -394,6 +395,15 @@ def test_prefix_cache_usage_and_flush(stack):
     assert flushed.status_code == 200 and flushed.json()["freed_tokens"] >= cached, flushed.text
     assert chat(colo)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the cache was emptied
     token = (Path(stack["logs"]) / "internal-token").read_text().strip()
+    # decode-side reuse: 3 requests over 2 decodes, so one decode saw the prompt again and held its
+    # pages (over UCX, with the same text as above)
+    reused = 0.0
+    for name, (url, _) in stack["children"].items():
+        if name.startswith("decode"):
+            text = httpx.get(url + "/metrics", headers={TOKEN_HEADER: token}, timeout=30).text
+            found = re.search(r'^pdserve_worker_counters\{name="kv_pages_reused_on_decode"\} (\S+)', text, re.M)
+            reused += float(found.group(1)) if found else 0.0
+    assert reused > 0
     for name, (url, _) in stack["children"].items():
         if name.startswith(("prefill", "decode")):
             r = httpx.post(url + "/flush_cache", headers={TOKEN_HEADER: token}, timeout=30)

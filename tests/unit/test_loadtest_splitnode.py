@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from loadtest import promtext
-from loadtest.splitnode import TRANSFER_BYTES_METRIC, SplitNodeConfig, check, info_value
+from loadtest.splitnode import REUSED_BYTES_METRIC, TRANSFER_BYTES_METRIC, SplitNodeConfig, check, info_value
 
 BPT = 46080
 
 
-def state(sent: int, used: int) -> dict:
+def state(sent: int, used: int, reused: int | None = None) -> dict:
     text = f'{TRANSFER_BYTES_METRIC}{{peer="x"}} {sent}\npdserve_worker_kv_used_tokens {used}\n'
+    if reused is not None:
+        text += f"{REUSED_BYTES_METRIC} {reused}\n"
     info = {"ready": True, "internal_states": [{"kv_used_tokens": used, "kv_total_tokens": 4096,
                                                 "page_size": 16, "kv_bytes_per_token": BPT}]}
     return {"metrics": promtext.parse(text), "info": info}
@@ -38,6 +40,17 @@ def test_check_passes_when_bytes_match_and_pools_free():
     rep = check(cfg, bench([17, 16, 1]), before, after, bytes_per_token=1)
     assert rep["problems"] == []
     assert rep["expected_kv_bytes"] == expected and rep["kv_bytes_per_token"] == BPT
+
+
+def test_check_counts_pages_the_decode_held_already():
+    """Decode-side prefix reuse: prefill and decode move fewer bytes; moved + reused == the prompts'."""
+    cfg = SplitNodeConfig(out_dir="x")
+    before = {"pre": state(0, 0), "dec": state(0, 0, reused=5)}
+    after = {"pre": state(32 * BPT, 0), "dec": state(32 * BPT, 0, reused=5 + 16 * BPT)}
+    rep = check(cfg, bench([17, 16]), before, after, BPT)
+    assert rep["problems"] == [] and rep["expected_kv_bytes"] == (32 + 16) * BPT
+    after["dec"] = state(32 * BPT, 0, reused=5)  # nothing reused: the pre/dec bytes fall short
+    assert len(check(cfg, bench([17, 16]), before, after, BPT)["problems"]) == 2
 
 
 def test_check_reports_each_failure():

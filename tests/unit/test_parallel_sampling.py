@@ -103,12 +103,15 @@ def test_abort_before_and_after_the_fork_frees_everything(model_dir: str) -> Non
     assert role.kv.all_free() and not role.sched.has_work()
 
 
-def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: str) -> None:
+@pytest.mark.parametrize("decode_cache", [False, True])
+def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: str, decode_cache: bool) -> None:
     """PD (fake data backend, real zmq): the prefill samples the three first tokens, the decode forks
-    the received KV; the texts equal colocated's, and the decode holds one copy of the full pages."""
+    the received KV; the texts equal colocated's, and the decode holds one copy of the full pages.
+    With the decode's own prefix cache, a second run finds the prompt there (decode-side reuse) and
+    forks over the matched pages."""
     cfg = _cfg(model_dir, True)
     colo = colocated_tokens(cfg, [PROMPT], SEEDED, n=3)
-    pair = PDPair(cfg)
+    pair = PDPair(cfg, decode_cache=decode_cache)
     peak = [0]
 
     def watch(p: PDPair) -> None:
@@ -122,6 +125,10 @@ def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: st
         full, ps = len(PROMPT) // 4, 4
         # full pages once + per choice: the partial prompt page and the pages its 6 tokens fill
         assert peak[0] <= (full + 3 * pages_for(len(PROMPT) % ps + 6, ps)) * ps
+        if decode_cache:
+            again, _, _ = pair.run([PROMPT], SEEDED, fields={"n": 3}, room_base=200)
+            assert again == colo and pair.decode.reuse["pages"] == full
+            pair.d_kv.flush()
         assert pair.d_kv.all_free() and pair.d_kv.used_tokens == 0
     finally:
         pair.close()

@@ -195,3 +195,44 @@ def test_declined_room_ends_on_the_prefill_without_data(pair, decline_first):
         s.send([1], is_last=True, metadata={})
     s.release()
     assert p.active_rooms() == 0 and d.active_rooms() == 0
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_cached_prefix_skips_pages_or_is_refused(pair, early):
+    """Decode-side reuse at the protocol level (page_size 4): a prefix that hashes as the prompt's
+    makes the sender skip its pages (dst position 0 = prompt page 2); one that does not is refused
+    with PREFIX_MISMATCH, the sender stays BOOTSTRAPPING, and a second TransferInfo for the whole
+    prompt is accepted. Both with the TransferInfo arriving before and after create_sender."""
+    p, d, addr = pair
+    prompt = list(range(50, 61))  # 11 tokens: 3 pages
+    other = [0] + prompt[1:]
+
+    def open_room(room: int, cached: list[int], dst: list[int]):
+        if early:
+            r = d.create_receiver(room, addr, dst, cached)
+            pump([p, d], lambda: p.stats()["early_infos"] == 1)
+            return p.create_sender(room, prompt), r
+        s = p.create_sender(room, prompt)
+        return s, d.create_receiver(room, addr, dst, cached)
+
+    s, r = open_room(1, prompt[:8], [5])
+    pump([p, d], lambda: s.poll() == KVPoll.WAITING_FOR_INPUT)
+    assert s.reused_pages == 2 and s.num_dst_pages == 1
+    s.send([9], is_last=True, metadata={"room": 1})
+    pump([p, d], lambda: r.poll() == KVPoll.SUCCESS and s.poll() == KVPoll.SUCCESS)
+    s.release()
+    r.release()
+
+    s, r = open_room(2, other[:8], [5])
+    pump([p, d], lambda: r.poll() == KVPoll.FAILED)
+    assert r.error is not None and r.error.code == ErrorCode.PREFIX_MISMATCH and "hash mismatch" in r.error.message
+    assert s.poll() == KVPoll.BOOTSTRAPPING and p.stats()["prefix_refusals"] == 1
+    r.release()
+    r = d.create_receiver(2, addr, [5, 6, 7])
+    pump([p, d], lambda: s.poll() == KVPoll.WAITING_FOR_INPUT)
+    assert s.reused_pages == 0 and s.num_dst_pages == 3
+    s.send([1, 2, 3], is_last=True)
+    pump([p, d], lambda: r.poll() == KVPoll.SUCCESS and s.poll() == KVPoll.SUCCESS)
+    s.release()
+    r.release()
+    assert p.active_rooms() == 0 and d.active_rooms() == 0

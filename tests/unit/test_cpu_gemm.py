@@ -1,0 +1,55 @@
+"""oneDNN-packed CPU linears (engine/models/cpu_gemm.py) against F.linear, and the packing switch.
+The whole model's exactness with packing on (the default) is tests/engine/test_oracle.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models import cpu_gemm
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g) * 0.1
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    got = cpu_gemm.linear(x, w, cpu_gemm.pack(w), b)
+    assert got.shape == (rows, 96)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=True)]).to(dtype)
+        self.embed = nn.Embedding(32, 8).to(dtype)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight
+
+
+def test_pack_model_modes():
+    m = _Tiny()
+    x = torch.randn(5, 8)
+    want = m.layers[1](F.silu(m.layers[0](x)))
+    assert cpu_gemm.pack_model(m, "onednn") == 3
+    assert all(lin.packed is not None for lin in m.layers) and m.lm_packed is not None
+    assert all(lin.weight.numel() == 0 for lin in m.layers)  # not held twice
+    assert m.embed.weight.shape == (32, 8)  # the embedding (here the tied head) stays
+    a, b = m.layers
+    got = cpu_gemm.linear(F.silu(cpu_gemm.linear(x, a.weight, a.packed)), b.weight, b.packed, b.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = _Tiny()
+    assert cpu_gemm.pack_model(plain, "torch") == 0
+    assert all(lin.packed is None and lin.weight.numel() for lin in plain.layers) and plain.lm_packed is None
+    with pytest.raises(ValueError, match="--cpu-gemm"):
+        cpu_gemm.pack_model(plain, "mkl")
+
+
+def test_half_precision_is_not_packed():
+    m = _Tiny(torch.bfloat16)
+    assert cpu_gemm.pack_model(m, "onednn") == 0
+    assert m.layers[0].packed is None
