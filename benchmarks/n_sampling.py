@@ -10,7 +10,8 @@ Runs (same prompt, --gen-tokens seeded tokens per sequence, temperature 1, ignor
                              others' prompt in the cache yet: a finished request inserts its pages)
   pd         n4 / sep4       a prefill and a decode role stepped in one process (tests/pd_harness.py:
                              real runners and zmq, --backend data plane); the prefill's cache on, the
-                             decode has none (the forks share through its private fork tree)
+                             decode's off (the harness default: the forks share through the
+                             private fork tree, the same pages as through a decode cache)
 The 4 separate requests use seeds choice_seed(seed, i), the seeds n=4 gives its choices, so the
 tokens must be equal (`same_tokens`). Prefill tokens = forward tokens - decode tokens (colocated);
 the prefill's forward tokens (PD). Peak pages = the page allocator's high-water mark (inside steps
