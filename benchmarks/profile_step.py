@@ -113,7 +113,7 @@ def vllm_child(spec_path: str, out_path: str) -> int:
 
     batches = spec["batches"]
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
-              max_num_seqs=max(batches))
+              max_num_seqs=max(batches), enable_prefix_caching=False)  # ours recomputes repeated prompts too
 
     def gen(ps: list[list[int]], n: int) -> None:
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

@@ -28,7 +28,8 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, __version__
 
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True, seed=0,
+    # prefix caching off: every timed run repeats its prompts, and ours computes them each time
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], enforce_eager=True, seed=0, enable_prefix_caching=False,
               max_model_len=max(2048, len(spec["prefill_prompt"]) + 64), max_num_seqs=max(spec["batches"]))
 
     def gen(prompts: list[list[int]], n: int) -> None:
