@@ -304,7 +304,8 @@ class DecodeRole:
         s["counters"].update({f"prefills_{k}": v for k, v in self.prefills.items()})
         s["counters"].update(kv_pages_reused_on_decode=self.reuse["pages"],
                              kv_prefix_refused_by_prefill=self.reuse["refused"])
-        s["transfer_bytes_reused_total"] = self.reuse["pages"] * self.page_bytes  # KV not moved thanks to reuse
+        # KV not moved thanks to reuse; on /metrics: pdserve_worker_transfer_bytes_reused_total
+        s["transfer_bytes_reused_total"] = self.reuse["pages"] * self.page_bytes
         # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests);
         # the prefix cache's unlocked pages count as free
         s["kv_usage"] = round(self.kv.used_tokens / max(1, self.kv.pool.total_tokens), 4)
