@@ -128,6 +128,22 @@ def pools_free(workers: dict[str, str], token: str = "") -> bool:
     return True
 
 
+def flush_caches(workers: dict[str, str], token: str = "", timeout: float = 120.0) -> None:
+    """Empty every worker's prefix cache (POST /flush_cache, retried while it answers 409 busy), so the
+    next batch computes its prefills as the cold reference batch did and a mid-prefill fault meets
+    prefills in flight instead of cache hits."""
+    headers = {TOKEN_HEADER: token} if token else {}
+
+    def flushed(url: str) -> bool:
+        try:
+            return httpx.post(url + "/flush_cache", headers=headers, timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    for name, url in workers.items():
+        wait_until(lambda u=url: flushed(u), timeout, f"{name}'s prefix cache flushed", interval=0.2)
+
+
 def carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
     """The worker of `role` with the most requests in flight, and that count."""
     rows = httpx.get(router + "/admin/workers", timeout=5).json()["workers"]
@@ -170,6 +186,7 @@ def run(a: argparse.Namespace) -> dict:
                     threading.Timer(a.stop_s, os.killpg, (pid, signal.SIGCONT)).start()
                 killed.append(name)
 
+        flush_caches(workers, token)
         t0 = time.monotonic()
         res = asyncio.run(batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
         chaos_s = time.monotonic() - t0

@@ -8,7 +8,9 @@ namespace (loadtest/netns.py, loadtest/splitnode.py), KV over UCX/TCP across vet
    length).
 2. Per scenario, the same batch again with one fault, on the worker of the scenario's role carrying the
    most requests (router /admin/workers), injected when a quarter of the tokens arrived ("mid-stream") or
-   the first token arrived ("mid-prefill": the others still in prefill or KV transfer):
+   the first token arrived ("mid-prefill": the others still in prefill or KV transfer); every worker's
+   prefix cache is flushed first (POST /flush_cache), so the batch's prefills are computed again as in the
+   reference batch, not served from the cache:
      kill-decode     kill -9 (its process group) a decode mid-stream
      kill-prefill    kill -9 a prefill mid-prefill
      stop-decode     SIGSTOP a decode mid-stream for --stop-s, then SIGCONT
@@ -50,7 +52,7 @@ import httpx
 
 from common.procs import wait_until
 from engine.cpus import threads_per_worker
-from loadtest.chaos import batch, carrier, counter, pools_free
+from loadtest.chaos import batch, carrier, counter, flush_caches, pools_free
 from loadtest.netns import Netns, NetnsConfig, entered
 from loadtest.splitnode import Cluster, SplitNodeConfig
 
@@ -160,6 +162,8 @@ def _faulted_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, dict]:
     at = h.a.requests * h.a.max_tokens // 4 if sc.at == "stream" else 1
     hit: dict = {}
     timers: list[threading.Timer] = []
+
+    flush_caches(h.workers, timeout=h.a.timeout)
 
     def on_progress(tokens: int) -> None:
         if not hit and tokens >= at:
