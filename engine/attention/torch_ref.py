@@ -29,15 +29,19 @@ class TorchAttention:
         out = torch.empty_like(q)
         start = 0
         for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
-            qb = q[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            # 4-D [1, H, len, D] views: with 3-D inputs SDPA falls back to its math path (about 3x
+            # slower on CPU for a 512-token prefill); 4-D ones take the flash kernel, mask or not
+            qb = q[start : start + q_len].unsqueeze(0).transpose(1, 2)  # [1, Hq, q_len, D]
             k = gather_kv(k_pages, meta.page_table[b], seq_len)  # [S, Hkv, D]
             v = gather_kv(v_pages, meta.page_table[b], seq_len)
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hq, S, D]
+            k, v = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)  # [1, Hq, S, D]
             if q_len == 1 and not window:
                 o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale)
+            elif q_len == seq_len and not window:  # no cached prefix: plain causal
+                o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=meta.scale)
             else:
                 # causal with an offset: query i (absolute pos seq_len-q_len+i) sees keys <= that pos
                 pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
@@ -46,7 +50,7 @@ class TorchAttention:
                 if window:
                     mask &= pos_k > pos_q - window
                 o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=meta.scale)
-            out[start : start + q_len] = o.transpose(0, 1)
+            out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
 
