@@ -12,7 +12,8 @@ Queues of one request:
              the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
              the request goes back to the head of prealloc to ask again for the whole prompt
   local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
-             prefilled here instead, in chunks of at most --local-prefill-budget tokens per step
+             prefilled here instead (while fewer than --local-prefill-max-running requests run or
+             wait here, when set), in chunks of at most --local-prefill-budget tokens per step
              beside the running decodes; so is one the router marks as "its prefill is busy" while
              its KV fits here now and the local queue stays within --local-prefill-max-queued
              tokens. Its prefill is told to end the room without computing
@@ -55,17 +56,20 @@ class DecodeRole:
     """The decode queues over an injected runner, KV manager and transfer manager."""
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
-                 local_threshold: int = 0, local_budget: int = 128, local_max_queued: int = 0) -> None:
+                 local_threshold: int = 0, local_budget: int = 128, local_max_queued: int = 0,
+                 local_max_running: int = 0) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
         # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
         # at most local_budget prompt tokens per step beside the running decodes; so is a request the
-        # router marks (its prefill is busy) while the local queue holds at most local_max_queued tokens
+        # router marks (its prefill is busy) while the local queue holds at most local_max_queued tokens;
+        # a short prompt only while fewer than local_max_running requests run or wait here (0: no bound)
         self.local_threshold = local_threshold
         self.local_max_queued = local_max_queued
+        self.local_max_running = local_max_running
         budget = dataclasses.replace(cfg, max_prefill_tokens=local_budget,
                                      chunked_prefill_size=min(cfg.chunked_prefill_size, local_budget))
         self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook())
-        self.prefills = {"local": 0, "local_busy_prefill": 0, "remote": 0}
+        self.prefills = {"local": 0, "local_busy_prefill": 0, "remote": 0, "remote_decode_busy": 0}
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
@@ -93,13 +97,18 @@ class DecodeRole:
 
     def _local_reason(self, req: Req, hinted: bool) -> str:
         """Why this request is prefilled here ("" = it is not): a short uncached prompt (with the
-        decode's prefix cache, a conversation's next turn costs only its new tokens), or a busy prefill (the
+        decode's prefix cache, a conversation's next turn costs only its new tokens) while this decode is
+        not busy (fewer than local_max_running requests on it: running, queued, or waiting for KV; under load its steps
+        are worth more to the running streams than the round trip saved), or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
         n = len(req.input_ids)
         new = n - self.kv.prefix_len(req)  # only what this decode's own prefix cache lacks is computed
         if new <= self.local_threshold:
-            return f"{new} uncached prompt tokens <= {self.local_threshold}"
+            load = len(self.sched.running) + len(self.sched.waiting) + len(self.prealloc) + len(self.transfer)
+            if not self.local_max_running or load < self.local_max_running:
+                return f"{new} uncached prompt tokens <= {self.local_threshold}"
+            self.prefills["remote_decode_busy"] += 1
         if not hinted:
             return ""
         queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
@@ -324,6 +333,7 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
-                      local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued)
+                      local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued,
+                      local_max_running=cfg.pd.local_prefill_max_running)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

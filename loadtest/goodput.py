@@ -46,6 +46,7 @@ class GoodputConfig:
     threads_per_worker: int = field(default_factory=lambda: split_cpus(2))
     modes: tuple[str, ...] = MODES
     local_prefill_threshold: int = 256
+    local_prefill_max_running: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,7 +67,8 @@ class GoodputConfig:
 
     def services(self) -> ExperimentConfig:
         return ExperimentConfig(out_dir=self.out_dir, model=self.model, threads_per_worker=self.threads_per_worker,
-                                seed=self.seed, local_prefill_threshold=self.local_prefill_threshold)
+                                seed=self.seed, local_prefill_threshold=self.local_prefill_threshold,
+                                local_prefill_max_running=self.local_prefill_max_running)
 
 
 async def sweep(url: str, cfg: GoodputConfig, tok) -> list[dict]:  # noqa: ANN001
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
                    help="pd-local: prompts of at most this many tokens are prefilled on the decode")
+    p.add_argument("--local-prefill-max-running", type=int, default=d.local_prefill_max_running,
+                   help="pd-local: a short prompt is prefilled on the decode only while fewer than this many "
+                        "requests are on it (0: no bound)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     a = p.parse_args(argv)
     try:
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                             output_len=a.output_len, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot,
                             attainment=a.attainment, threads_per_worker=a.threads,
                             modes=tuple(m for m in a.modes.split(",") if m),
-                            local_prefill_threshold=a.local_prefill_threshold, seed=a.seed)
+                            local_prefill_threshold=a.local_prefill_threshold,
+                            local_prefill_max_running=a.local_prefill_max_running, seed=a.seed)
     except ValueError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2

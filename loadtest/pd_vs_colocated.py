@@ -56,6 +56,7 @@ class ExperimentConfig:
     ready_timeout_s: float = 300.0
     extra_service_args: tuple[str, ...] = ()
     local_prefill_threshold: int = 256  # pd-local: the decode's --local-prefill-threshold
+    local_prefill_max_running: int = 0  # pd-local: the decode's --local-prefill-max-running (0: no bound)
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:
@@ -83,7 +84,8 @@ def start_mode(svc: LocalServices, mode: str, cfg: ExperimentConfig, model_dir: 
     pre, dec, boot, rtr = free_port(), free_port(), free_port(), free_port()
     svc.spawn("prefill", py + ["prefill", *common, "--port", str(pre), "--bootstrap-port", str(boot),
                                "--threads", t])
-    local = ["--local-prefill-threshold", str(cfg.local_prefill_threshold)] if mode == "pd-local" else []
+    local = ["--local-prefill-threshold", str(cfg.local_prefill_threshold),
+             "--local-prefill-max-running", str(cfg.local_prefill_max_running)] if mode == "pd-local" else []
     svc.spawn("decode", py + ["decode", *common, "--port", str(dec), "--threads", t, *local])
     workers = [f"http://127.0.0.1:{pre}/health", f"http://127.0.0.1:{dec}/health"]
     svc.wait_healthy(workers, cfg.ready_timeout_s)
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
     p.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
                    help="pd-local: prompts of at most this many tokens are prefilled on the decode")
+    p.add_argument("--local-prefill-max-running", type=int, default=d.local_prefill_max_running,
+                   help="pd-local: a short prompt is prefilled on the decode only while fewer than this many "
+                        "requests are on it (0: no bound)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     args = p.parse_args(argv)
     try:
@@ -180,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                long_input_len=args.long_input_len, long_output_len=args.long_output_len,
                                threads_per_worker=args.threads, seed=args.seed,
                                local_prefill_threshold=args.local_prefill_threshold,
+                               local_prefill_max_running=args.local_prefill_max_running,
                                modes=tuple(m for m in args.modes.split(",") if m))
     except ValueError as e:
         print(f"pd_vs_colocated: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ class PDConfig:
     local_prefill_threshold: int = 0  # decode: prompts of at most this many tokens are prefilled there
     local_prefill_budget: int = 128  # decode: prompt tokens its local prefills may add to one step
     local_prefill_max_queued: int = 2048  # decode: queued local prompt tokens beyond which a router's hint is refused
+    local_prefill_max_running: int = 0  # decode: short prompts go local only below this many running + queued (0: any)
 
     def __post_init__(self) -> None:
         if not 0 <= self.bootstrap_port < 65536:
@@ -51,6 +52,8 @@ class PDConfig:
             raise ValueError("--local-prefill-budget must be >= 1")
         if self.local_prefill_max_queued < 0:
             raise ValueError("--local-prefill-max-queued must be >= 0")
+        if self.local_prefill_max_running < 0:
+            raise ValueError("--local-prefill-max-running must be >= 0 (0: no bound)")
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                                 "--local-prefill-queue-tokens) is prefilled here when its KV fits now and the prompt "
                                 "tokens already queued for local prefill plus its own stay within this many; "
                                 "otherwise it goes to its prefill as usual. 0: never on the router's word")
+            t.add_argument("--local-prefill-max-running", type=int, default=dp.local_prefill_max_running,
+                           help="decode load term of --local-prefill-threshold: a short prompt is prefilled here "
+                                "only while fewer than this many requests run or wait on this decode; at or above "
+                                "it the prompt goes to its prefill, so a busy decode spends its steps on its "
+                                "streams. 0 (default): no bound")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 
@@ -211,6 +219,7 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
             local_prefill_threshold=getattr(ns, "local_prefill_threshold", pd.local_prefill_threshold),
             local_prefill_budget=getattr(ns, "local_prefill_budget", pd.local_prefill_budget),
             local_prefill_max_queued=getattr(ns, "local_prefill_max_queued", pd.local_prefill_max_queued),
+            local_prefill_max_running=getattr(ns, "local_prefill_max_running", pd.local_prefill_max_running),
         )
     return ServerConfig(
         role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,

@@ -58,7 +58,8 @@ class PDPair:
     """One prefill and one decode role with their own runners and KV managers."""
 
     def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
-                 local_threshold: int = 0, local_max_queued: int = 0, decode_cache: bool = False,
+                 local_threshold: int = 0, local_max_queued: int = 0, local_max_running: int = 0,
+                 decode_cache: bool = False,
                  heartbeat_s: float = 0.5) -> None:
         """`decode_cache`: the decode keeps its own prefix cache (decode-side reuse), as
         `pdserve decode` does unless --disable-prefix-cache. One thread steps both roles: a forward
@@ -71,7 +72,7 @@ class PDPair:
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")
         self.prefill = PrefillRole(cfg, p_runner, self.p_kv, self.p_mgr)
         self.decode = DecodeRole(dcfg, d_runner, self.d_kv, self.d_mgr, local_threshold=local_threshold,
-                                 local_max_queued=local_max_queued)
+                                 local_max_queued=local_max_queued, local_max_running=local_max_running)
 
     def run(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams], timeout_s: float = 120.0,
             on_step: Callable[[PDPair], None] | None = None, fields: dict | None = None,

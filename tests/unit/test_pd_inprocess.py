@@ -63,6 +63,25 @@ def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> 
         pair.close()
 
 
+def test_a_busy_decode_sends_short_prompts_to_their_prefill(engine_cfg: EngineConfig) -> None:
+    """The decode-load term: with local_max_running 2, a short prompt goes local only while fewer than 2
+    requests are on the decode. All three arrive before any step: r0 (7 tokens, load 0) local, r1 (39)
+    PD (over the threshold; now in prealloc), r2 (3 tokens, load 2) to its prefill."""
+    want = colocated_tokens(engine_cfg, PROMPTS, SAMPLING)
+    pair = PDPair(engine_cfg, local_threshold=10, local_max_running=2)
+    try:
+        d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING)
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert d_tokens == want
+        counters = pair.decode.stats()["counters"]
+        assert (counters["prefills_local"], counters["prefills_remote"], counters["prefills_remote_decode_busy"]) \
+            == (1, 2, 1)
+        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1]) + len(PROMPTS[2])
+        assert pair.p_kv.all_free() and pair.d_kv.all_free()
+    finally:
+        pair.close()
+
+
 def test_busy_prefill_hint_prefills_on_the_decode_within_its_queue_bound(engine_cfg: EngineConfig) -> None:
     """The router's hint (its prefill is busy) moves a prompt of any length to the decode while the
     decode's local queue stays within local_max_queued tokens; beyond it the request goes PD."""
