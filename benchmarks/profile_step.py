@@ -34,8 +34,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     "GEMM": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "_C::onednn_mm", "mkl::_mkl_linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
                   "_C::cpu_attention_with_kv_cache", "_C::paged_attention_v1", "_C::paged_attention_v2"),
-    "KV write/gather": ("aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::gather",
-                        "_C::cpu_attn_reshape_and_cache", "_C::reshape_and_cache"),
+    "KV write/gather": ("aten::index", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_",
+                        "aten::gather", "_C::cpu_attn_reshape_and_cache", "_C::reshape_and_cache"),
 }
 ROWS = [*CATEGORIES, "other ops", "framework", "step"]
 

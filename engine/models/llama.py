@@ -41,9 +41,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # one fused op (fp32 inside, as HF's LlamaRMSNorm: x * rsqrt(mean(x^2) + eps) * weight)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -76,12 +75,25 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D], rotate-half convention (HF layout)
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """cos and sin [T, 1, D/2] of the step's positions, gathered once for every layer."""
+        return RotaryTables(self.cos.index_select(0, positions).unsqueeze(1),
+                            self.sin.index_select(0, positions).unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    cos: torch.Tensor  # [T, 1, D/2] fp32
+    sin: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated, rotate-half convention (HF layout), computed in fp32 into one new tensor
+        (4 ops: no chunk copies, no cat)."""
         x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.mul(x1, self.cos, out=o1).addcmul_(x2, self.sin, value=-1)  # x1 cos - x2 sin
+        torch.mul(x2, self.cos, out=o2).addcmul_(x1, self.sin)  # x2 cos + x1 sin
         return out.to(x.dtype)
 
 
@@ -94,13 +106,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = rotary(q.view(t, self.hq, self.d), positions)  # [T, Hq, D]
-        k = rotary(k.view(t, self.hkv, self.d), positions)  # [T, Hkv, D]
+        q = rotary(q.view(t, self.hq, self.d))  # [T, Hq, D]
+        k = rotary(k.view(t, self.hkv, self.d))  # [T, Hkv, D]
         v = v.view(t, self.hkv, self.d)
         ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
         k_pages, v_pages = ctx.pool.layer(self.layer_id)
@@ -117,7 +128,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(self.gate_up_proj, x).split(self.inter, dim=-1)
-        return linear(self.down_proj, F.silu(gate) * up)
+        return linear(self.down_proj, F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -128,9 +139,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,8 +158,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, ctx)
+            x = layer(x, rotary, ctx)
         return self.norm(x)
 
     @torch.inference_mode()
