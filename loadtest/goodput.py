@@ -29,6 +29,7 @@ from loadtest.report import pyplot
 from loadtest.runner import ArrivalConfig, run
 from loadtest.services import LocalServices
 from loadtest.workload import SyntheticConfig, load_tokenizer, synthetic
+from service.config import PDConfig
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class GoodputConfig:
     threads_per_worker: int = field(default_factory=lambda: split_cpus(2))
     modes: tuple[str, ...] = MODES
     local_prefill_threshold: int = 256
-    local_prefill_max_running: int = 0
+    local_prefill_max_running: int = PDConfig.local_prefill_max_running  # pd-local: the decode's default
     seed: int = 0
 
     def __post_init__(self) -> None:

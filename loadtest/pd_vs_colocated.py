@@ -35,6 +35,7 @@ from loadtest.report import write_plots
 from loadtest.runner import ArrivalConfig, run
 from loadtest.services import LocalServices
 from loadtest.workload import SyntheticConfig, load_tokenizer, synthetic
+from service.config import PDConfig
 
 MODES = ("pd", "pd-local", "colocated")
 
@@ -56,7 +57,7 @@ class ExperimentConfig:
     ready_timeout_s: float = 300.0
     extra_service_args: tuple[str, ...] = ()
     local_prefill_threshold: int = 256  # pd-local: the decode's --local-prefill-threshold
-    local_prefill_max_running: int = 0  # pd-local: the decode's --local-prefill-max-running (0: no bound)
+    local_prefill_max_running: int = PDConfig.local_prefill_max_running  # pd-local: the decode's flag (its default)
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:

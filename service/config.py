@@ -37,7 +37,7 @@ class PDConfig:
     local_prefill_threshold: int = 0  # decode: prompts of at most this many tokens are prefilled there
     local_prefill_budget: int = 128  # decode: prompt tokens its local prefills may add to one step
     local_prefill_max_queued: int = 2048  # decode: queued local prompt tokens beyond which a router's hint is refused
-    local_prefill_max_running: int = 0  # decode: short prompts go local only below this many running + queued (0: any)
+    local_prefill_max_running: int = 4  # decode: short prompts go local only below this many running + queued (0: any)
 
     def __post_init__(self) -> None:
         if not 0 <= self.bootstrap_port < 65536:
@@ -178,7 +178,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                            help="decode load term of --local-prefill-threshold: a short prompt is prefilled here "
                                 "only while fewer than this many requests run or wait on this decode; at or above "
                                 "it the prompt goes to its prefill, so a busy decode spends its steps on its "
-                                "streams. 0 (default): no bound")
+                                "streams (default 4: goodput under an SLO in docs/benchmarks.md). 0: no bound")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 
