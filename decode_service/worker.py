@@ -12,8 +12,8 @@ Queues of one request:
              the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
              the request goes back to the head of prealloc to ask again for the whole prompt
   local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
-             prefilled here instead (while fewer than --local-prefill-max-running requests run or
-             wait here, when set), in chunks of at most --local-prefill-budget tokens per step
+             prefilled here instead (while fewer than --local-prefill-max-running requests decode
+             or wait for a local step here), in chunks of at most --local-prefill-budget tokens per step
              beside the running decodes; so is one the router marks as "its prefill is busy" while
              its KV fits here now and the local queue stays within --local-prefill-max-queued
              tokens. Its prefill is told to end the room without computing
@@ -62,7 +62,7 @@ class DecodeRole:
         # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
         # at most local_budget prompt tokens per step beside the running decodes; so is a request the
         # router marks (its prefill is busy) while the local queue holds at most local_max_queued tokens;
-        # a short prompt only while fewer than local_max_running requests run or wait here (0: no bound)
+        # a short prompt only while fewer than local_max_running requests are in its scheduler (0: no bound)
         self.local_threshold = local_threshold
         self.local_max_queued = local_max_queued
         self.local_max_running = local_max_running
@@ -98,14 +98,15 @@ class DecodeRole:
     def _local_reason(self, req: Req, hinted: bool) -> str:
         """Why this request is prefilled here ("" = it is not): a short uncached prompt (with the
         decode's prefix cache, a conversation's next turn costs only its new tokens) while this decode is
-        not busy (fewer than local_max_running requests on it: running, queued, or waiting for KV; under load its steps
-        are worth more to the running streams than the round trip saved), or a busy prefill (the
+        not busy (fewer than local_max_running requests in its scheduler: decoding, queued for local
+        prefill, or retracted; requests still waiting for their KV cost it no step yet), since under load
+        its steps are worth more to the running streams than the round trip saved; or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
         n = len(req.input_ids)
         new = n - self.kv.prefix_len(req)  # only what this decode's own prefix cache lacks is computed
         if new <= self.local_threshold:
-            load = len(self.sched.running) + len(self.sched.waiting) + len(self.prealloc) + len(self.transfer)
+            load = len(self.sched.running) + len(self.sched.waiting)
             if not self.local_max_running or load < self.local_max_running:
                 return f"{new} uncached prompt tokens <= {self.local_threshold}"
             self.prefills["remote_decode_busy"] += 1

@@ -176,9 +176,10 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                                 "otherwise it goes to its prefill as usual. 0: never on the router's word")
             t.add_argument("--local-prefill-max-running", type=int, default=dp.local_prefill_max_running,
                            help="decode load term of --local-prefill-threshold: a short prompt is prefilled here "
-                                "only while fewer than this many requests run or wait on this decode; at or above "
-                                "it the prompt goes to its prefill, so a busy decode spends its steps on its "
-                                "streams (default 4: goodput under an SLO in docs/benchmarks.md). 0: no bound")
+                                "only while fewer than this many requests decode or wait for a local step here "
+                                "(those waiting for their KV do not count); at or above it the prompt goes to its "
+                                "prefill, so a busy decode spends its steps on its streams (default 4: goodput "
+                                "under an SLO in docs/benchmarks.md). 0: no bound")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
 

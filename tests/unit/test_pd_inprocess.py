@@ -64,11 +64,12 @@ def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> 
 
 
 def test_a_busy_decode_sends_short_prompts_to_their_prefill(engine_cfg: EngineConfig) -> None:
-    """The decode-load term: with local_max_running 2, a short prompt goes local only while fewer than 2
-    requests are on the decode. All three arrive before any step: r0 (7 tokens, load 0) local, r1 (39)
-    PD (over the threshold; now in prealloc), r2 (3 tokens, load 2) to its prefill."""
+    """The decode-load term: with local_max_running 1, a short prompt goes local only while no request is
+    in the decode's scheduler. All three arrive before any step: r0 (7 tokens, load 0) local, r1 (39) PD
+    (over the threshold; waiting for KV, which does not count), r2 (3 tokens; r0 queued: load 1) to its
+    prefill."""
     want = colocated_tokens(engine_cfg, PROMPTS, SAMPLING)
-    pair = PDPair(engine_cfg, local_threshold=10, local_max_running=2)
+    pair = PDPair(engine_cfg, local_threshold=10, local_max_running=1)
     try:
         d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING)
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
