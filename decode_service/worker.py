@@ -103,19 +103,21 @@ class DecodeRole:
         its steps are worth more to the running streams than the round trip saved; or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
-        n = len(req.input_ids)
-        new = n - self.kv.prefix_len(req)  # only what this decode's own prefix cache lacks is computed
-        if new <= self.local_threshold:
-            load = len(self.sched.running) + len(self.sched.waiting)
-            if not self.local_max_running or load < self.local_max_running:
-                return f"{new} uncached prompt tokens <= {self.local_threshold}"
-            self.prefills["remote_decode_busy"] += 1
-        if not hinted:
-            return ""
+        new = len(req.input_ids) - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
+        short = new <= self.local_threshold
+        load = len(self.sched.running) + len(self.sched.waiting)
+        if short and (not self.local_max_running or load < self.local_max_running):
+            return f"{new} uncached prompt tokens <= {self.local_threshold}"
+        why = self._busy_prefill_reason(req, new) if hinted else ""
+        if short and not why:
+            self.prefills["remote_decode_busy"] += 1  # short enough, but this decode is busy: PD
+        return why
+
+    def _busy_prefill_reason(self, req: Req, new: int) -> str:
+        """The router's hint (its prefill is busy) is taken while the prompt's KV fits here now and the
+        local prefill queue plus this prompt's new tokens stay within local_max_queued."""
         queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
-        if queued + new > self.local_max_queued:
-            return ""
-        if not self._fits(req, busy=True):
+        if queued + new > self.local_max_queued or not self._fits(req, busy=True):
             return ""
         self.prefills["local_busy_prefill"] += 1
         return "its prefill is busy (router's hint)"
