@@ -81,7 +81,10 @@ def test_up_default_flags_serves_a_concurrent_streaming_burst(tmp_path):
                 assert r["status"] == 200 and r["done"], r
                 assert not [e for e in r["events"] if "error" in e], r["events"]
                 text = [c["delta"].get("content", "") for e in r["events"] for c in e.get("choices", [])]
-                assert sum(1 for t in text if t) >= MAX_TOKENS // 2  # detokenizer may merge a few tokens
+                # streamed in pieces, not one blob; not one piece per token: the request samples at the
+                # default temperature, and tokens that decode to no text (special tokens past ignore_eos,
+                # partial UTF-8) send no delta, so the count of pieces varies from run to run
+                assert sum(1 for t in text if t) >= 2 and "".join(text).strip(), text
                 usage = [e["usage"] for e in r["events"] if e.get("usage")]
                 assert usage and usage[-1]["completion_tokens"] == MAX_TOKENS
         router_log = (tmp_path / "router.log").read_text()
