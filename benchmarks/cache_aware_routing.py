@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.procs import free_port  # noqa: E402
 from loadtest.client import ClientConfig  # noqa: E402
 from loadtest.multiturn import MultiTurnConfig, run_multi_turn, turn_table  # noqa: E402
-from loadtest.services import LocalServices  # noqa: E402
+from loadtest.services import ALWAYS_PD, LocalServices  # noqa: E402
 from loadtest.workload import load_tokenizer  # noqa: E402
 
 POLICIES = ("round_robin", "cache_aware")
@@ -56,7 +56,7 @@ def start(svc: LocalServices, policy: str, threads: int) -> str:
         svc.spawn(f"{policy}-prefill{i}", py + ["prefill", *common, "--port", str(port), "--bootstrap-port", str(boot)])
         prefills.append((port, boot))
     dec = free_port()
-    svc.spawn(f"{policy}-decode", py + ["decode", *common, "--port", str(dec)])
+    svc.spawn(f"{policy}-decode", py + ["decode", *common, "--port", str(dec), *ALWAYS_PD])  # prefills do the work
     svc.wait_healthy([f"http://127.0.0.1:{p}/health" for p, _ in prefills] + [f"http://127.0.0.1:{dec}/health"], 600)
     rtr = free_port()
     svc.spawn(f"{policy}-router", py + ["router", "--host", "127.0.0.1", "--port", str(rtr), "--prefill-policy", policy,

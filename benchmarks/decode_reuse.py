@@ -30,7 +30,7 @@ from common.procs import free_port  # noqa: E402
 from loadtest import promtext  # noqa: E402
 from loadtest.client import ClientConfig  # noqa: E402
 from loadtest.multiturn import MultiTurnConfig, run_multi_turn, turn_table  # noqa: E402
-from loadtest.services import LocalServices  # noqa: E402
+from loadtest.services import ALWAYS_PD, LocalServices  # noqa: E402
 from loadtest.workload import load_tokenizer  # noqa: E402
 
 RUNS = (("reuse_off", ["--disable-prefix-cache"]), ("reuse_on", []))
@@ -55,7 +55,7 @@ def start(svc: LocalServices, name: str, decode_flags: list[str], threads: int) 
     common = ["--host", "127.0.0.1", "--device", "cpu", "--threads", str(threads)]
     pre, boot, dec = free_port(), free_port(), free_port()
     svc.spawn(f"{name}-prefill", py + ["prefill", *common, "--port", str(pre), "--bootstrap-port", str(boot)])
-    svc.spawn(f"{name}-decode", py + ["decode", *common, "--port", str(dec), *decode_flags])
+    svc.spawn(f"{name}-decode", py + ["decode", *common, "--port", str(dec), *ALWAYS_PD, *decode_flags])
     svc.wait_healthy([f"http://127.0.0.1:{pre}/health", f"http://127.0.0.1:{dec}/health"], 600)
     rtr = free_port()
     svc.spawn(f"{name}-router", py + ["router", "--host", "127.0.0.1", "--port", str(rtr),

@@ -11,9 +11,10 @@ Queues of one request:
              Decode-side reuse: the TransferInfo names the cached prefix (tokens + hash) and only
              the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
              the request goes back to the head of prealloc to ask again for the whole prompt
-  local      (conditional disaggregation) a prompt of at most --local-prefill-threshold tokens is
-             prefilled here instead (while fewer than --local-prefill-max-running requests decode
-             or wait for a local step here), in chunks of at most --local-prefill-budget tokens per step
+  local      (conditional disaggregation) a prompt of at most --local-prefill-threshold uncached
+             tokens is prefilled here instead (while the local queue, it included, stays within the
+             threshold and fewer than --local-prefill-max-running requests decode or wait for a
+             local step here), in chunks of at most --local-prefill-budget tokens per step
              beside the running decodes; so is one the router marks as "its prefill is busy" while
              its KV fits here now and the local queue stays within --local-prefill-max-queued
              tokens. Its prefill is told to end the room without computing
@@ -43,7 +44,7 @@ from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler, dedup
 from service import messages as m
 from service.channels import WorkerChannels
-from service.config import ServerConfig
+from service.config import PDConfig, ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
 from service.tracing import scheduler_hook
 from service.worker import error_out, run_loop, setup_process, token_out
@@ -56,7 +57,7 @@ class DecodeRole:
     """The decode queues over an injected runner, KV manager and transfer manager."""
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
-                 local_threshold: int = 0, local_budget: int = 128, local_max_queued: int = 0,
+                 local_threshold: int = 0, local_budget: int = PDConfig.local_prefill_budget, local_max_queued: int = 0,
                  local_max_running: int = 0) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
         # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
@@ -97,7 +98,8 @@ class DecodeRole:
 
     def _local_reason(self, req: Req, hinted: bool) -> str:
         """Why this request is prefilled here ("" = it is not): a short uncached prompt (with the
-        decode's prefix cache, a conversation's next turn costs only its new tokens) while this decode is
+        decode's prefix cache, a conversation's next turn costs only its new tokens) while the local
+        prefill queue, this prompt included, stays within local_threshold tokens and this decode is
         not busy (fewer than local_max_running requests in its scheduler: decoding, queued for local
         prefill, or retracted; requests still waiting for their KV cost it no step yet), since under load
         its steps are worth more to the running streams than the round trip saved; or a busy prefill (the
@@ -105,18 +107,27 @@ class DecodeRole:
         and the local prefill queue stays within local_max_queued tokens."""
         new = len(req.input_ids) - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
         short = new <= self.local_threshold
+        queued = self._queued_local_tokens()
         load = len(self.sched.running) + len(self.sched.waiting)
-        if short and (not self.local_max_running or load < self.local_max_running):
+        # the local queue holds at most one threshold of prompt tokens, so a local prompt's first chunk
+        # waits at most threshold / budget steps (a burst of short prompts spills over to the prefill)
+        if short and queued + new <= self.local_threshold and (not self.local_max_running
+                                                                or load < self.local_max_running):
             return f"{new} uncached prompt tokens <= {self.local_threshold}"
-        why = self._busy_prefill_reason(req, new) if hinted else ""
+        why = self._busy_prefill_reason(req, new, queued) if hinted else ""
         if short and not why:
             self.prefills["remote_decode_busy"] += 1  # short enough, but this decode is busy: PD
         return why
 
-    def _busy_prefill_reason(self, req: Req, new: int) -> str:
+    def _queued_local_tokens(self) -> int:
+        """Prompt tokens still to compute by the local prefills queued here (a queued prompt not yet
+        matched against the prefix cache counts only what the cache lacks)."""
+        return sum(len(r.input_ids) - max(r.kv_len, self.kv.prefix_len(r))
+                   for r in self.sched.waiting if not r.is_retracted)
+
+    def _busy_prefill_reason(self, req: Req, new: int, queued: int) -> str:
         """The router's hint (its prefill is busy) is taken while the prompt's KV fits here now and the
-        local prefill queue plus this prompt's new tokens stay within local_max_queued."""
-        queued = sum(len(r.input_ids) - r.kv_len for r in self.sched.waiting if not r.is_retracted)
+        local prefill queue (`queued` tokens) plus this prompt's new tokens stay within local_max_queued."""
         if queued + new > self.local_max_queued or not self._fits(req, busy=True):
             return ""
         self.prefills["local_busy_prefill"] += 1

@@ -35,6 +35,7 @@ import httpx
 from common.http import TOKEN_HEADER
 from common.procs import free_port, wait_until
 from loadtest import promtext
+from loadtest.services import ALWAYS_PD
 
 REPO = Path(__file__).resolve().parent.parent
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM}
@@ -97,7 +98,8 @@ class _Up:
     def __init__(self, out: Path, prefills: int, decodes: int, port: int) -> None:
         self.log_dir = out / "logs"
         argv = [sys.executable, "-m", "pdserve", "up", "--prefill", str(prefills), "--decode", str(decodes), "--port",
-                str(port), "--log-dir", str(self.log_dir), "--max-total-tokens", "8192"]
+                str(port), "--log-dir", str(self.log_dir), "--max-total-tokens", "8192",
+                "--decode-args", " ".join(ALWAYS_PD)]  # faults mid-prefill need every prompt on a prefill
         self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")), daemon=True).start()

@@ -46,8 +46,9 @@ class GoodputConfig:
     attainment: float = 0.9
     threads_per_worker: int = field(default_factory=lambda: split_cpus(2))
     modes: tuple[str, ...] = MODES
-    local_prefill_threshold: int = 256
+    local_prefill_threshold: int = PDConfig.local_prefill_threshold  # pd-local: the decode's default
     local_prefill_max_running: int = PDConfig.local_prefill_max_running  # pd-local: the decode's default
+    local_prefill_budget: int = PDConfig.local_prefill_budget  # pd-local: the decode's default
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -69,7 +70,8 @@ class GoodputConfig:
     def services(self) -> ExperimentConfig:
         return ExperimentConfig(out_dir=self.out_dir, model=self.model, threads_per_worker=self.threads_per_worker,
                                 seed=self.seed, local_prefill_threshold=self.local_prefill_threshold,
-                                local_prefill_max_running=self.local_prefill_max_running)
+                                local_prefill_max_running=self.local_prefill_max_running,
+                                local_prefill_budget=self.local_prefill_budget)
 
 
 async def sweep(url: str, cfg: GoodputConfig, tok) -> list[dict]:  # noqa: ANN001
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-prefill-max-running", type=int, default=d.local_prefill_max_running,
                    help="pd-local: a short prompt is prefilled on the decode only while fewer than this many "
                         "requests are on it (0: no bound)")
+    p.add_argument("--local-prefill-budget", type=int, default=d.local_prefill_budget,
+                   help="pd-local: prompt tokens the decode's local prefills may add to one step")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     a = p.parse_args(argv)
     try:
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                             attainment=a.attainment, threads_per_worker=a.threads,
                             modes=tuple(m for m in a.modes.split(",") if m),
                             local_prefill_threshold=a.local_prefill_threshold,
-                            local_prefill_max_running=a.local_prefill_max_running, seed=a.seed)
+                            local_prefill_max_running=a.local_prefill_max_running,
+                            local_prefill_budget=a.local_prefill_budget, seed=a.seed)
     except ValueError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2

@@ -10,9 +10,11 @@ decode stream's inter-token latency jumps; in PD the prefill runs elsewhere and 
 receives KV. Reported: p50/p99 ITL of the decode stream, p50/p99 TTFT of both streams.
 
 Modes (local processes, UCX over TCP on 127.0.0.1, equal CPU threads in total):
-  pd         prefill (--threads T) + decode (--threads T) + router
+  pd         prefill (--threads T) + decode (--threads T) + router; the decode disaggregates every
+             prompt (--local-prefill-threshold 0)
   pd-local   pd, and the decode prefills prompts of at most --local-prefill-threshold tokens itself
-             (conditional disaggregation)
+             (conditional disaggregation; the decode's defaults, 256 tokens in --local-prefill-budget
+             32-token steps, unless given here)
   colocated  one service (--threads 2T)
 Writes OUT/pd_vs_colocated.json, OUT/table.md, OUT/latency_cdf.png, OUT/itl_over_time.png, logs.
 """
@@ -33,7 +35,7 @@ from loadtest.client import ClientConfig, fetch_model
 from loadtest.metrics import RequestResult, fmt_ms, summarize_by_tag
 from loadtest.report import write_plots
 from loadtest.runner import ArrivalConfig, run
-from loadtest.services import LocalServices
+from loadtest.services import ALWAYS_PD, LocalServices
 from loadtest.workload import SyntheticConfig, load_tokenizer, synthetic
 from service.config import PDConfig
 
@@ -56,8 +58,9 @@ class ExperimentConfig:
     modes: tuple[str, ...] = MODES
     ready_timeout_s: float = 300.0
     extra_service_args: tuple[str, ...] = ()
-    local_prefill_threshold: int = 256  # pd-local: the decode's --local-prefill-threshold
+    local_prefill_threshold: int = PDConfig.local_prefill_threshold  # pd-local: the decode's flag (its default)
     local_prefill_max_running: int = PDConfig.local_prefill_max_running  # pd-local: the decode's flag (its default)
+    local_prefill_budget: int = PDConfig.local_prefill_budget  # pd-local: the decode's flag (its default)
 
     def __post_init__(self) -> None:
         if not 0 < self.duration_s <= 3600:
@@ -86,7 +89,8 @@ def start_mode(svc: LocalServices, mode: str, cfg: ExperimentConfig, model_dir: 
     svc.spawn("prefill", py + ["prefill", *common, "--port", str(pre), "--bootstrap-port", str(boot),
                                "--threads", t])
     local = ["--local-prefill-threshold", str(cfg.local_prefill_threshold),
-             "--local-prefill-max-running", str(cfg.local_prefill_max_running)] if mode == "pd-local" else []
+             "--local-prefill-max-running", str(cfg.local_prefill_max_running),
+             "--local-prefill-budget", str(cfg.local_prefill_budget)] if mode == "pd-local" else list(ALWAYS_PD)
     svc.spawn("decode", py + ["decode", *common, "--port", str(dec), "--threads", t, *local])
     workers = [f"http://127.0.0.1:{pre}/health", f"http://127.0.0.1:{dec}/health"]
     svc.wait_healthy(workers, cfg.ready_timeout_s)
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-prefill-max-running", type=int, default=d.local_prefill_max_running,
                    help="pd-local: a short prompt is prefilled on the decode only while fewer than this many "
                         "requests are on it (0: no bound)")
+    p.add_argument("--local-prefill-budget", type=int, default=d.local_prefill_budget,
+                   help="pd-local: prompt tokens the decode's local prefills may add to one step")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     args = p.parse_args(argv)
     try:
@@ -187,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                                threads_per_worker=args.threads, seed=args.seed,
                                local_prefill_threshold=args.local_prefill_threshold,
                                local_prefill_max_running=args.local_prefill_max_running,
+                               local_prefill_budget=args.local_prefill_budget,
                                modes=tuple(m for m in args.modes.split(",") if m))
     except ValueError as e:
         print(f"pd_vs_colocated: {e}", file=sys.stderr)

@@ -20,6 +20,9 @@ from common.procs import Child, http_ok, stop_all
 REPO = Path(__file__).resolve().parent.parent
 SERVICE_ENV = {"PYTHONPATH": str(REPO), "UCX_TLS": "tcp", "UCX_WARN_UNUSED_ENV_VARS": "n",
                "PYTHONUNBUFFERED": "1"}
+# decode flags for an experiment about the PD path itself (transfers, faults mid-prefill, prefill-side
+# caches): every prompt is disaggregated, none prefilled on the decode (its default threshold is 256)
+ALWAYS_PD = ("--local-prefill-threshold", "0")
 
 
 class LocalServices:

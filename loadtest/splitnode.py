@@ -29,6 +29,7 @@ from pathlib import Path
 from engine.cpus import threads_per_worker
 from loadtest import promtext
 from loadtest.netns import Netns, NetnsConfig, Shaping
+from loadtest.services import ALWAYS_PD
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class SplitNodeConfig:
     drain_timeout_s: float = 60.0
     # the prefill and decode share this machine's CPUs: half each (engine.cpus), never all of them each
     service_args: tuple[str, ...] = field(default_factory=lambda: ("--threads", str(threads_per_worker(2))))
-    decode_args: tuple[str, ...] = ()  # flags for the decodes only
+    # flags for the decodes only; by default every prompt crosses the nodes (the transfer is what this checks)
+    decode_args: tuple[str, ...] = ALWAYS_PD
     router_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         "not passed when the workers compute on a GPU)",
     )
     p.add_argument("--worker-args", default="", help="extra flags for every worker, one shell-quoted string")
+    p.add_argument("--prefill-args", default="",
+                   help="extra flags for the prefill workers only, one shell-quoted string")
+    p.add_argument(
+        "--decode-args",
+        default="",
+        help="extra flags for the decode workers only, one shell-quoted string "
+        "(e.g. '--local-prefill-threshold 0' to disaggregate every prompt)",
+    )
     add_observability_args(p)  # --otlp-endpoint, --log-format: passed to the router and every worker
     p.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for everything to be healthy"
@@ -157,6 +165,7 @@ def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: 
             str(token_file),
             *extra,
         ]
+        argv += shlex.split(a.prefill_args if role == "prefill" else a.decode_args)
         if role == "prefill":
             bootstrap_port = free_port()
             argv += ["--bootstrap-port", str(bootstrap_port), "--transfer-backend", a.transfer_backend]

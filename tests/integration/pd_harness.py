@@ -13,13 +13,16 @@ import httpx
 from router_harness import Proc, free_port, wait_for
 
 COMMON = ["--device", "cpu", "--threads", "1", "--host-kv-tokens", "16384", "--log-level", "warning"]
+# these tests are about the PD path: a decode disaggregates every prompt unless a test says otherwise
+ALWAYS_PD = ["--local-prefill-threshold", "0"]
 
 
 def start_service(role: str, *extra: str, env: dict | None = None) -> tuple[Proc, int | None]:
     """Start `pdserve <role>` (with `env` added to its environment); returns (process, bootstrap port
-    for a prefill else None)."""
+    for a prefill else None). A decode gets ALWAYS_PD before `extra` (a later flag wins)."""
     port = free_port()
-    args = [sys.executable, "-m", "pdserve", role, "--port", str(port), *COMMON, *extra]
+    pinned = ALWAYS_PD if role == "decode" else []
+    args = [sys.executable, "-m", "pdserve", role, "--port", str(port), *COMMON, *pinned, *extra]
     boot = None
     if role == "prefill" and "--bootstrap-port" not in extra:
         boot = free_port()

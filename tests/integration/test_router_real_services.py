@@ -75,6 +75,8 @@ def stack(tmp_path_factory):
             "ucx",
             "--worker-args",
             "--threads 1",
+            "--decode-args",  # this suite checks the PD path (transfers, the prefill's spans): no local prefill
+            "--local-prefill-threshold 0",
             "--log-dir",
             str(logs),
             "--startup-timeout",

@@ -176,15 +176,16 @@ def test_local_prefill_threshold_counts_only_uncached_tokens(model_dir: str) -> 
     prefilled on the decode, with the tokens of the run without any cache."""
     runs = {}
     for cache in (False, True):
-        pair = PDPair(_cfg(model_dir, cache), decode_cache=cache, local_threshold=24)
+        # threshold 48 also bounds the local queue: both conversations' next turns (<= 20 new tokens each)
+        pair = PDPair(_cfg(model_dir, cache), decode_cache=cache, local_threshold=48)
         try:
-            # turn 1: ~50 prompt tokens; later turns add <= 20 the decode's cache lacks
-            runs[cache] = _chat(pair, 3, n=2, system=40)
+            # turn 1: ~90 prompt tokens; later turns add <= 20 the decode's cache lacks
+            runs[cache] = _chat(pair, 3, n=2, system=80)
             counters = pair.decode.stats()["counters"]
             runs[(cache, "local")] = counters["prefills_local"]
             _drained(pair)
         finally:
             pair.close()
     assert runs[True] == runs[False]
-    assert runs[(False, "local")] == 0  # every prompt is longer than 24 tokens
+    assert runs[(False, "local")] == 0  # every prompt is longer than 48 tokens
     assert runs[(True, "local")] == 4  # turns 2 and 3 of both conversations

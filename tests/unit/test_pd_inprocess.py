@@ -83,6 +83,26 @@ def test_a_busy_decode_sends_short_prompts_to_their_prefill(engine_cfg: EngineCo
         pair.close()
 
 
+def test_a_burst_of_short_prompts_spills_over_to_the_prefill(engine_cfg: EngineConfig) -> None:
+    """The local queue holds at most one threshold of prompt tokens: with threshold 10, r0 (7 tokens)
+    is queued locally, r1 (39) is over the threshold, r2 (3: 7 + 3 = 10) still fits, and r3 (7 more:
+    17 > 10) goes to its prefill although the decode is otherwise idle."""
+    prompts = [*PROMPTS, [9, 8, 7, 6, 5, 4, 3]]
+    want = colocated_tokens(engine_cfg, prompts, SAMPLING)
+    pair = PDPair(engine_cfg, local_threshold=10)
+    try:
+        d_tokens, d_done, p_done = pair.run(prompts, SAMPLING)
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert d_tokens == want
+        counters = pair.decode.stats()["counters"]
+        assert (counters["prefills_local"], counters["prefills_remote"], counters["prefills_remote_decode_busy"]) \
+            == (2, 2, 1)
+        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1]) + len(prompts[3])
+        assert pair.p_kv.all_free() and pair.d_kv.all_free()
+    finally:
+        pair.close()
+
+
 def test_busy_prefill_hint_prefills_on_the_decode_within_its_queue_bound(engine_cfg: EngineConfig) -> None:
     """The router's hint (its prefill is busy) moves a prompt of any length to the decode while the
     decode's local queue stays within local_max_queued tokens; beyond it the request goes PD."""
