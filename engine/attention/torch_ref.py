@@ -16,6 +16,31 @@ def gather_kv(pages: torch.Tensor, page_ids: torch.Tensor, n: int) -> torch.Tens
     return pages.index_select(0, page_ids[:need].long()).reshape(-1, pages.shape[2], pages.shape[3])[:n]
 
 
+EXTEND_BLOCK = 64  # queries per SDPA call of an extend (causal_blocks)
+
+
+def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int, scale: float,
+                  gqa: bool) -> torch.Tensor:
+    """q [1, Hq, L, D] at positions past..past+L-1 over k, v [1, Hkv, past+L, D]: causal attention
+    (within `window` keys when > 0), EXTEND_BLOCK queries per SDPA call, each call over only the keys
+    its queries can see. Why blocks: SDPA's CPU flash kernel computes every key of a block of up to
+    512 keys and masks afterwards, so one causal call over a 512-token prompt does the full square's
+    work; in blocks of 64 about 56% of it (a 512-token prefill's attention: 4.9 -> 3.2 ms a layer)."""
+    n = q.shape[2]
+    out = torch.empty_like(q)
+    for s in range(0, n, EXTEND_BLOCK):
+        e = min(s + EXTEND_BLOCK, n)
+        lo = max(0, past + s - window + 1) if window else 0  # keys before the block's window: never seen
+        pos_q = torch.arange(past + s, past + e, device=q.device)[:, None]
+        pos_k = torch.arange(lo, past + e, device=q.device)[None, :]
+        mask = pos_k <= pos_q  # [e - s, past + e - lo]
+        if window:
+            mask &= pos_k > pos_q - window
+        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, lo : past + e], v[:, :, lo : past + e],
+                                                         attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out
+
+
 class TorchAttention:
     name = "torch"
 
@@ -33,24 +58,12 @@ class TorchAttention:
             # 4-D [1, H, len, D] views: with 3-D inputs SDPA falls back to its math path (about 3x
             # slower on CPU for a 512-token prefill); 4-D ones take the flash kernel, mask or not
             qb = q[start : start + q_len].unsqueeze(0).transpose(1, 2)  # [1, Hq, q_len, D]
-            k = gather_kv(k_pages, meta.page_table[b], seq_len)  # [S, Hkv, D]
-            v = gather_kv(v_pages, meta.page_table[b], seq_len)
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            k, v = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)  # [1, Hq, S, D]
+            k = gather_kv(k_pages, meta.page_table[b], seq_len).unsqueeze(0).transpose(1, 2)  # [1, Hkv, S, D]
+            v = gather_kv(v_pages, meta.page_table[b], seq_len).unsqueeze(0).transpose(1, 2)
             if q_len == 1 and not window:
-                o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale)
-            elif q_len == seq_len and not window:  # no cached prefix: plain causal
-                o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=meta.scale)
+                o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale, enable_gqa=group > 1)
             else:
-                # causal with an offset: query i (absolute pos seq_len-q_len+i) sees keys <= that pos
-                pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-                pos_k = torch.arange(seq_len, device=q.device)[None, :]
-                mask = pos_k <= pos_q  # [q_len, S]
-                if window:
-                    mask &= pos_k > pos_q - window
-                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=meta.scale)
+                o = causal_blocks(qb, k, v, seq_len - q_len, window, meta.scale, group > 1)
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out

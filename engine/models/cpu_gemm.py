@@ -42,11 +42,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def linear_add(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, other: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] -> x W^T (+ bias) + other [T, out]: a residual add, fused into the packed GEMM (one
+    oneDNN call, one pass over the output) when there is a packed weight."""
+    if packed is None:
+        return F.linear(x, weight, bias).add_(other)
+    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, "add")
+
+
+def silu_gate_up(x: torch.Tensor, weight: torch.Tensor, packed: tuple[torch.Tensor, ...] | None,
+                 inter: int) -> torch.Tensor:
+    """SwiGLU's silu(x Wg^T) * (x Wu^T) for weight = [Wg; Wu] ([2 * inter, in]). Packed (Wg and Wu
+    apart: the module's `pack_parts`), two oneDNN calls: the gate GEMM applies silu, the up GEMM
+    multiplies by it, so neither the activation nor the product takes a pass of its own."""
+    if packed is None:
+        gate, up = F.linear(x, weight).split(inter, dim=-1)
+        return F.silu(gate).mul_(up)
+    gate = torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, packed[1], None, "mul")
+
+
 def pack_model(model: nn.Module, mode: str) -> int:
     """Once, at load: give every nn.Linear of the decoder layers a `packed` weight (None when not
     packed) and the model an `lm_packed` output head (`model.lm_head_weight()`); returns how many
     weights were packed. A packed linear's fp32 weight is then dropped (an empty tensor), so the
-    weights are not held twice; the embedding, tied or not, stays."""
+    weights are not held twice; the embedding, tied or not, stays. A linear with a `pack_parts`
+    attribute (output sizes) is packed as those row blocks apart: `packed` is then a tuple."""
     if mode not in MODES:
         raise ValueError(f"--cpu-gemm must be one of {', '.join(MODES)}, got {mode!r}")
     linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
@@ -57,7 +79,8 @@ def pack_model(model: nn.Module, mode: str) -> int:
     if mode == "torch" or not linears or not can_pack(linears[0].weight):
         return 0
     try:
-        packed = [pack(m.weight) for m in linears]
+        packed = [tuple(pack(w) for w in m.weight.split(list(m.pack_parts))) if hasattr(m, "pack_parts")
+                  else pack(m.weight) for m in linears]
         lm_packed = pack(model.lm_head_weight())
     except RuntimeError as e:  # an oneDNN build without this op or ISA: plain F.linear still works
         log.warning("oneDNN weight packing failed (%s); using torch's F.linear", e)

@@ -34,6 +34,11 @@ def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return cpu_gemm.linear(x, m.weight, getattr(m, "packed", None), m.bias)
 
 
+def linear_add(m: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + m(x), the add fused into the packed GEMM when there is one."""
+    return cpu_gemm.linear_add(x, m.weight, getattr(m, "packed", None), residual, m.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -106,7 +111,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext,
+                residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x)."""
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
@@ -116,7 +123,7 @@ class Attention(nn.Module):
         ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
         k_pages, v_pages = ctx.pool.layer(self.layer_id)
         o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
-        return linear(self.o_proj, o.reshape(t, self.hq * self.d))
+        return linear_add(self.o_proj, o.reshape(t, self.hq * self.d), residual)
 
 
 class MLP(nn.Module):
@@ -124,11 +131,14 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj.pack_parts = (self.inter, self.inter)  # packed apart: silu and * fused into them
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self.gate_up_proj, x).split(self.inter, dim=-1)
-        return linear(self.down_proj, F.silu(gate).mul_(up))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + down(silu(gate(x)) * up(x))."""
+        m = self.gate_up_proj
+        h = cpu_gemm.silu_gate_up(x, m.weight, getattr(m, "packed", None), self.inter)
+        return linear_add(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -140,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), rotary, ctx, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):

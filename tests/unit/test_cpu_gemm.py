@@ -53,3 +53,33 @@ def test_half_precision_is_not_packed():
     m = _Tiny(torch.bfloat16)
     assert cpu_gemm.pack_model(m, "onednn") == 0
     assert m.layers[0].packed is None
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_fused_residual_add_and_swiglu_equal_the_unfused_ops(rows):
+    """The oneDNN post-ops (residual add; silu on the gate GEMM, times the up GEMM) against the
+    separate torch ops, packed and unpacked; a `pack_parts` linear is packed as its row blocks."""
+    g = torch.Generator().manual_seed(rows)
+    mlp = nn.Linear(40, 2 * 24, bias=False)
+    mlp.pack_parts = (24, 24)
+    down = nn.Linear(24, 40, bias=True)
+    with torch.no_grad():
+        for w in (mlp.weight, down.weight, down.bias):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.2)
+    x, res = torch.randn(rows, 40, generator=g), torch.randn(rows, 40, generator=g)
+    gate, up = F.linear(x, mlp.weight).split(24, dim=-1)
+    h_want = F.silu(gate) * up
+    want = res + F.linear(h_want, down.weight, down.bias)
+    for packed in (False, True):
+        m = nn.Module()
+        m.layers = nn.ModuleList([nn.Linear(40, 48, bias=False), nn.Linear(24, 40)])
+        m.layers[0].pack_parts = (24, 24)
+        m.lm_head_weight = lambda: down.weight
+        m.layers.load_state_dict({"0.weight": mlp.weight, "1.weight": down.weight, "1.bias": down.bias})
+        assert cpu_gemm.pack_model(m, "onednn" if packed else "torch") == (3 if packed else 0)
+        a, b = m.layers
+        assert isinstance(a.packed, tuple) if packed else a.packed is None
+        h = cpu_gemm.silu_gate_up(x, a.weight, a.packed, 24)
+        torch.testing.assert_close(h, h_want, rtol=1e-5, atol=1e-5)
+        got = cpu_gemm.linear_add(h, b.weight, b.packed, res, b.bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
