@@ -123,7 +123,9 @@ def test_decode_dying_mid_stream_ends_with_error_event(cluster):
 
     wait_for(prefill_aborted, 10, "room aborted on the prefill after the decode died")
     control(cluster["d1"], "ok")
-    wait_for(lambda: httpx.get(url + "/health").status_code == 200, 10, "router healthy again")
+    # d0 exited; the router's /health can still say 200 on d0's stale eligibility (one failure is below
+    # --health-failures), so wait for what the next request needs: d1 re-admitted by its probe
+    wait_for(lambda: _workers(url)[cluster["d1"].url]["eligible"], 10, "d1 re-admitted")
     r = httpx.post(url + "/generate", json={"text": "still fine", "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 200
 
