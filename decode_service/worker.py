@@ -107,7 +107,7 @@ class DecodeRole:
         and the local prefill queue stays within local_max_queued tokens."""
         new = len(req.input_ids) - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
         short = new <= self.local_threshold
-        queued = self._queued_local_tokens()
+        queued = self._queued_local_tokens() if short or hinted else 0  # only these two rules read it
         load = len(self.sched.running) + len(self.sched.waiting)
         # the local queue holds at most one threshold of prompt tokens, so a local prompt's first chunk
         # waits at most threshold / budget steps (a burst of short prompts spills over to the prefill)

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 import httpx
 from router_harness import Proc, free_port, wait_for
 
+from loadtest.services import ALWAYS_PD  # these tests are about the PD path: every prompt disaggregated
+
 COMMON = ["--device", "cpu", "--threads", "1", "--host-kv-tokens", "16384", "--log-level", "warning"]
-# these tests are about the PD path: a decode disaggregates every prompt unless a test says otherwise
-ALWAYS_PD = ["--local-prefill-threshold", "0"]
 
 
 def start_service(role: str, *extra: str, env: dict | None = None) -> tuple[Proc, int | None]:
     """Start `pdserve <role>` (with `env` added to its environment); returns (process, bootstrap port
     for a prefill else None). A decode gets ALWAYS_PD before `extra` (a later flag wins)."""
     port = free_port()
-    pinned = ALWAYS_PD if role == "decode" else []
+    pinned = list(ALWAYS_PD) if role == "decode" else []
     args = [sys.executable, "-m", "pdserve", role, "--port", str(port), *COMMON, *pinned, *extra]
     boot = None
     if role == "prefill" and "--bootstrap-port" not in extra:

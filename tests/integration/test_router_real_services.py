@@ -34,6 +34,7 @@ from pd_harness import read_sse
 from router_harness import ROOT, Proc, free_port, wait_for
 
 from common.http import TOKEN_HEADER
+from loadtest.services import ALWAYS_PD
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def stack(tmp_path_factory):
             "--worker-args",
             "--threads 1",
             "--decode-args",  # this suite checks the PD path (transfers, the prefill's spans): no local prefill
-            "--local-prefill-threshold 0",
+            " ".join(ALWAYS_PD),
             "--log-dir",
             str(logs),
             "--startup-timeout",
