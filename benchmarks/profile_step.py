@@ -35,9 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "GEMM": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "_C::onednn_mm", "mkl::_mkl_linear"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
-                  "_C::cpu_attention_with_kv_cache", "_C::paged_attention_v1", "_C::paged_attention_v2"),
+                  "_C::cpu_attention_with_kv_cache", "_C::paged_attention_v1", "_C::paged_attention_v2",
+                  "native::decode_attention"),
     "KV write/gather": ("aten::index", "aten::index_select", "aten::index_put_", "aten::_index_put_impl_",
-                        "aten::gather", "_C::cpu_attn_reshape_and_cache", "_C::reshape_and_cache"),
+                        "aten::gather", "_C::cpu_attn_reshape_and_cache", "_C::reshape_and_cache",
+                        "native::rope_store"),
 }
 ROWS = [*CATEGORIES, "other ops", "framework", "step"]
 
@@ -102,19 +104,36 @@ def per_step(gen: Callable[[list[list[int]], int], None], ps: list[list[int]], n
     return {k: 1000 * (full[k] - one[k]) / (n - 1) for k in ROWS}  # ms per decode step
 
 
-def ours(a: argparse.Namespace, batches: list[int]) -> dict[str, dict[str, float]]:
-    import torch
+def label_native(native: object) -> None:
+    """Name the native kernels' ctypes calls in the profile (it sees only torch ops otherwise)."""
+    from torch.profiler import record_function
 
+    for name in ("decode_attention", "rope_store"):
+        fn = getattr(native, name)
+
+        def labelled(*args, _fn=fn, _name=f"native::{name}"):  # noqa: ANN001, ANN002, ANN202
+            with record_function(_name):
+                return _fn(*args)
+
+        setattr(native, name, labelled)
+
+
+def ours(a: argparse.Namespace, batches: list[int]) -> dict[str, dict[str, float]]:
     sys.path.insert(0, str(ROOT))
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig  # engine before torch: huge pages (engine/__init__.py)
     from engine.engine import LLM
     from engine.sampling_params import SamplingParams
+
+    # isort: split
+    import torch
 
     torch.set_num_threads(a.threads)
     top = max(batches)
     llm = LLM(EngineConfig(model=a.model, threads=a.threads, cpu_gemm=a.cpu_gemm, max_running_requests=top,
                            max_total_tokens=max(4096, top * (a.prompt_len + a.decode_tokens + 32)),
                            max_prefill_tokens=max(2048, top * a.prompt_len)))
+    if getattr(llm.runner.backend, "native", None) is not None:
+        label_native(llm.runner.backend.native)
 
     def gen(ps: list[list[int]], n: int) -> None:
         llm.generate(ps, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))

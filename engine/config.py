@@ -133,7 +133,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # token budget of one extend batch
     max_running_requests: int = 64
     context_length: int = 0  # 0: the model's max_position
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     cpu_gemm: str = "onednn"  # onednn (fp32 CPU linears packed once, engine/models/cpu_gemm.py) | torch
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
@@ -162,8 +162,10 @@ class EngineConfig:
         need(self.chunked_prefill_size >= 1, "--chunked-prefill-size must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
-        need(self.attention_backend in ("auto", "torch", "triton"),
-             f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
+        need(self.attention_backend in ("auto", "cpu", "torch", "triton"),
+             f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),
+             "--attention-backend cpu runs float32 on the CPU only (use torch for other dtypes)")
         need(self.cpu_gemm in ("onednn", "torch"), f"--cpu-gemm must be onednn or torch, got {self.cpu_gemm!r}")
         need(0.0 <= self.new_token_ratio <= 1.0, "--new-token-ratio must be in [0, 1]")
         need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
@@ -182,4 +184,6 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        if self.device.startswith("cuda"):
+            return "triton"
+        return "cpu" if self.device == "cpu" and self.dtype == "float32" else "torch"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import hugepages
+
 
 class PageAllocator:
     """Free-list allocator of page indices. Pure Python, check-then-act:
@@ -74,8 +76,8 @@ class KVPool:
         self.page_size = page_size
         self.num_layers = num_layers
         # [P, L, 2, ps, Hkv, D]
-        self.buffer = torch.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
-                                  dtype=dtype, device=device)
+        self.buffer = hugepages.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
+                                      dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, reserved=1)
 
     @property

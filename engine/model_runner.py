@@ -85,6 +85,7 @@ class ModelRunner:
             pool=self.pool, backend=self.backend, meta=meta,
             out_page=torch.tensor(out_page, dtype=torch.long, device=dev),
             out_offset=torch.tensor(out_off, dtype=torch.long, device=dev),
+            native=getattr(self.backend, "native", None),  # the cpu backend's kernels
         )
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), ctx)

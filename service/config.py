@@ -107,8 +107,11 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="max requests in the running batch")
     g.add_argument("--context-length", type=int, default=0, help="max prompt+output tokens (0: the model's)")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
-                   help="attention kernels (auto: triton on cuda, torch on cpu)")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "triton"),
+                   help="attention kernels. auto: triton on cuda; cpu for float32 on a CPU, else torch. "
+                        "cpu: native C kernels (decode attention over the paged pool in place, fused "
+                        "rotary + KV store), compiled once with the system's cc into ~/.cache/pdserve, "
+                        "torch if that fails. torch: the plain-torch reference (SDPA)")
     g.add_argument("--cpu-gemm", default=d.cpu_gemm, choices=("onednn", "torch"),
                    help="float32 linears on CPU: onednn (weights packed once at load; faster at small "
                         "batches) or torch (F.linear, MKL)")

@@ -75,7 +75,16 @@ def build_metadata(
 
 
 def create_backend(name: str) -> AttentionBackend:
-    """Factory; GPU-only imports stay inside so the package imports on a CPU."""
+    """Factory; GPU-only imports stay inside so the package imports on a CPU. "cpu" falls back to
+    "torch" (with a log line from engine/native) where the native kernels cannot be built."""
+    if name == "cpu":
+        from engine.attention.cpu_native import CpuAttention
+        from engine.native import NativeKernels
+
+        native = NativeKernels.get()
+        if native is not None:
+            return CpuAttention(native)
+        name = "torch"
     if name == "torch":
         from engine.attention.torch_ref import TorchAttention
 
@@ -84,4 +93,4 @@ def create_backend(name: str) -> AttentionBackend:
         from engine.attention.triton_backend import TritonAttention
 
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (torch or triton)")
+    raise ValueError(f"unknown attention backend {name!r} (cpu, torch or triton)")

@@ -18,6 +18,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.memory import KVPool
 from engine.models import cpu_gemm
+from engine.native import NativeKernels
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ForwardContext:
     meta: AttentionMetadata
     out_page: torch.Tensor  # int64 [T] page of each new token
     out_offset: torch.Tensor  # int64 [T] slot inside that page
+    native: NativeKernels | None = None  # fused rotary + KV store (the cpu attention backend's kernels)
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -116,14 +118,24 @@ class Attention(nn.Module):
         """residual + attention(x)."""
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
+        k_pages, v_pages = ctx.pool.layer(self.layer_id)
+        if ctx.native is not None:  # one call: rotate q and k, store k and v in the pool
+            q = ctx.native.rope_store(qkv, rotary.cos, rotary.sin, k_pages, v_pages, ctx.out_page, ctx.out_offset,
+                                      self.hq, self.hkv, self.d)
+        else:
+            q = self._rope_store(qkv, rotary, ctx)
+        o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
+        return linear_add(self.o_proj, o.reshape(t, self.hq * self.d), residual)
+
+    def _rope_store(self, qkv: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
+        """The torch path of the native rope_store: rotated q [T, Hq, D]; k, v written to the pool."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q = rotary(q.view(t, self.hq, self.d))  # [T, Hq, D]
         k = rotary(k.view(t, self.hkv, self.d))  # [T, Hkv, D]
         v = v.view(t, self.hkv, self.d)
         ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
-        k_pages, v_pages = ctx.pool.layer(self.layer_id)
-        o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
-        return linear_add(self.o_proj, o.reshape(t, self.hq * self.d), residual)
+        return q
 
 
 class MLP(nn.Module):

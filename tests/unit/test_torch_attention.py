@@ -1,6 +1,8 @@
-"""The CPU attention backend (engine/attention/torch_ref.py) against dense float64 attention written
-out here: ragged batches of extends that cross EXTEND_BLOCK, with and without a cached prefix, sliding
-windows, GQA, and decode. The engine's oracle tests check it end to end against transformers."""
+"""The CPU attention backends (engine/attention/torch_ref.py, and cpu_native.py: the native decode
+kernel) against dense float64 attention written out here: ragged batches of extends that cross
+EXTEND_BLOCK, with and without a cached prefix, sliding windows, GQA, and decode over more keys than
+the kernel's block, on pages that are strided views of a pool layer, as the engine's are. The
+engine's oracle tests check both end to end against transformers."""
 
 from __future__ import annotations
 
@@ -9,12 +11,13 @@ import math
 import pytest
 import torch
 
-from engine.attention.base import build_metadata
+from engine.attention.base import build_metadata, create_backend
 from engine.attention.torch_ref import EXTEND_BLOCK, TorchAttention
 
 assert EXTEND_BLOCK < 150  # the first case's 150-token prompt crosses block edges
 
 HQ, HKV, D, PS = 6, 2, 16, 8
+LAYERS, LAYER = 3, 1  # pages are layer 1's K/V views of a [P, LAYERS, 2, PS, HKV, D] pool
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window: int) -> torch.Tensor:
@@ -29,16 +32,24 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, window:
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+def test_cpu_backend_is_the_native_one() -> None:
+    """The runner's CPU default builds (cc is on every machine the suite runs on): no silent fallback."""
+    assert create_backend("cpu").name == "cpu"
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("shape", [
     [(150, 150), (5, 5)],  # whole prompts: one crosses two block edges
     [(200, 70), (33, 1), (90, 90)],  # a cached prefix of 130 tokens, a decode row, a prompt
-    [(1, 1), (9, 1), (64, 1), (300, 1)],  # decode only
+    [(1, 1), (9, 1), (64, 1), (300, 1)],  # decode only; 300 keys: the native kernel's blocks of 128
+    [(77, 1)],  # one decode row: the native kernel splits it by KV head
 ])
-def test_matches_dense_attention(shape: list[tuple[int, int]], window: int) -> None:
+def test_matches_dense_attention(shape: list[tuple[int, int]], window: int, backend: str) -> None:
     g = torch.Generator().manual_seed(len(shape) + window)
     pages = 1 + sum((s + PS - 1) // PS for s, _ in shape)
-    k_pages, v_pages = torch.randn(pages, PS, HKV, D, generator=g), torch.randn(pages, PS, HKV, D, generator=g)
+    pool = torch.randn(pages, LAYERS, 2, PS, HKV, D, generator=g)
+    k_pages, v_pages = pool[:, LAYER, 0], pool[:, LAYER, 1]
     tables, nxt = [], 1  # page 0 stays unused: a wrong page id reads garbage, not a neighbour
     for seq_len, _ in shape:
         n = (seq_len + PS - 1) // PS
@@ -46,7 +57,8 @@ def test_matches_dense_attention(shape: list[tuple[int, int]], window: int) -> N
         nxt += n
     q = torch.randn(sum(ql for _, ql in shape), HQ, D, generator=g)
     meta = build_metadata(tables, [s for s, _ in shape], [ql for _, ql in shape], PS, 1 / math.sqrt(D), "cpu")
-    got = TorchAttention().forward(q, k_pages, v_pages, meta, window)
+    attn = TorchAttention() if backend == "torch" else create_backend(backend)
+    got = attn.forward(q, k_pages, v_pages, meta, window)
     start = 0
     for b, (seq_len, q_len) in enumerate(shape):
         ids = torch.tensor(tables[b])
