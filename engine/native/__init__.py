@@ -26,13 +26,13 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._rope_store = lib.rope_store
-        self._rope_store.restype = None
+        self._rope_store.restype = _i32
         self._rope_store.argtypes = [_ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
-                                     _i64, _ptr, _ptr, _i32]
+                                     _i64, _i64, _i32, _ptr, _ptr, _i32]
         self._decode = lib.decode_attention
         self._decode.restype = _i32
-        self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32, _i32,
-                                 _i32, _i32, _f32, _i32]
+        self._decode.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i32, _i32, _i32,
+                                 _i32, _i32, _i32, _f32, _i32]
 
     @classmethod
     def get(cls) -> NativeKernels | None:
@@ -56,9 +56,11 @@ class NativeKernels:
         check_pages(k_pages, v_pages)
         check(page_idx.dtype == torch.int64 and offset.dtype == torch.int64, "rope_store: int64 indices")
         q = torch.empty((t, hq, d), dtype=torch.float32)
-        self._rope_store(qkv.data_ptr(), qkv.stride(0), t, hq, hkv, d, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
-                         k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0), k_pages.stride(1),
-                         page_idx.data_ptr(), offset.data_ptr(), torch.get_num_threads())
+        rc = self._rope_store(qkv.data_ptr(), qkv.stride(0), t, hq, hkv, d, cos.data_ptr(), sin.data_ptr(),
+                              q.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
+                              k_pages.stride(1), k_pages.shape[0], k_pages.shape[1], page_idx.data_ptr(),
+                              offset.data_ptr(), torch.get_num_threads())
+        check(rc == 0, "rope_store: a slot outside the pool")
         return q
 
     def decode_attention(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -68,13 +70,15 @@ class NativeKernels:
         b, hq, d = q.shape
         q = q.contiguous()
         check_pages(k_pages, v_pages)
-        check(page_table.dtype == torch.int32 and page_table.stride(1) == 1 and seq_lens.dtype == torch.int32
+        check(page_table.dtype == torch.int32 and page_table.is_contiguous() and seq_lens.dtype == torch.int32
               and seq_lens.is_contiguous(), "decode_attention: int32 page table and lengths")
         out = torch.empty_like(q)
         rc = self._decode(q.data_ptr(), out.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), k_pages.stride(0),
-                          k_pages.stride(1), page_table.data_ptr(), page_table.stride(0), seq_lens.data_ptr(),
-                          b, hq, k_pages.shape[2], d, k_pages.shape[1], window, scale, torch.get_num_threads())
-        check(rc == 0, f"decode_attention: unsupported heads ({hq} query, {k_pages.shape[2]} KV, dim {d})")
+                          k_pages.stride(1), k_pages.shape[0], page_table.data_ptr(), page_table.shape[1],
+                          seq_lens.data_ptr(), b, hq, k_pages.shape[2], d, k_pages.shape[1], window, scale,
+                          torch.get_num_threads())
+        check(rc != -1, f"decode_attention: unsupported heads ({hq} query, {k_pages.shape[2]} KV, dim {d})")
+        check(rc == 0, "decode_attention: a length or page outside the page table or the pool")
         return out
 
 

@@ -64,11 +64,14 @@ static inline void rotate(float *out, const float *x, const float *cos, const fl
 
 /* qkv [T, (Hq + 2 Hkv) D] rows qkv_stride apart; cos, sin [T, D/2] contiguous; q_out [T, Hq, D]
  * contiguous. Token t's K/V go to page page_idx[t], slot offset[t]: element (page, slot, head, d) of
- * the layer's K view sits at k_base + page * page_stride + slot * slot_stride + head * D + d (V alike). */
-void rope_store(const float *qkv, int64_t qkv_stride, int T, int Hq, int Hkv, int D,
-                const float *cos, const float *sin, float *q_out,
-                float *k_base, float *v_base, int64_t page_stride, int64_t slot_stride,
-                const int64_t *page_idx, const int64_t *offset, int nthreads) {
+ * the layer's K view sits at k_base + page * page_stride + slot * slot_stride + head * D + d (V alike).
+ * Returns 0, or -2 (nothing written) when a slot lies outside the pool's num_pages x page_size. */
+int rope_store(const float *qkv, int64_t qkv_stride, int T, int Hq, int Hkv, int D,
+               const float *cos, const float *sin, float *q_out,
+               float *k_base, float *v_base, int64_t page_stride, int64_t slot_stride, int64_t num_pages,
+               int page_size, const int64_t *page_idx, const int64_t *offset, int nthreads) {
+    for (int t = 0; t < T; t++)  /* every slot inside the pool, or nothing is written */
+        if (page_idx[t] < 0 || page_idx[t] >= num_pages || offset[t] < 0 || offset[t] >= page_size) return -2;
     int half = D / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * (Hq + 2 * Hkv) * D > 32768)
     for (int t = 0; t < T; t++) {
@@ -82,6 +85,7 @@ void rope_store(const float *qkv, int64_t qkv_stride, int T, int Hq, int Hkv, in
             memcpy(v_base + at + (int64_t)h * D, row + (int64_t)(Hq + Hkv + h) * D, sizeof(float) * D);
         }
     }
+    return 0;
 }
 
 /* Attention of request b's query heads kv_lo*G .. kv_hi*G-1 (KV heads kv_lo..kv_hi-1). The key loop is
@@ -140,16 +144,25 @@ static void attend_one(const float *q, float *out, const float *k_base, const fl
     }
 }
 
-/* q, out [B, Hq, D] contiguous; K/V views as in rope_store; page_table int32 [B, pt_stride];
+/* q, out [B, Hq, D] contiguous; K/V views as in rope_store; page_table int32 [B, pt_width] contiguous;
  * seq_lens int32 [B] (keys in cache, the query's own included). Request b's query sits at position
  * seq_lens[b] - 1 and reads keys lo..seq_lens[b]-1, lo = 0 or, with window W > 0, seq_lens[b] - W.
  * One task per request; a batch too small to give every thread two tasks splits by KV head.
- * Returns 0, or -1 for a shape this kernel does not take (the caller falls back). */
+ * Returns 0; -1 for a shape this kernel does not take; -2 for a length or page outside the table or
+ * the pool (nothing computed). */
 int decode_attention(const float *q, float *out, const float *k_base, const float *v_base,
-                     int64_t page_stride, int64_t slot_stride, const int32_t *page_table, int64_t pt_stride,
-                     const int32_t *seq_lens, int B, int Hq, int Hkv, int D, int page_size, int window,
-                     float scale, int nthreads) {
+                     int64_t page_stride, int64_t slot_stride, int64_t num_pages, const int32_t *page_table,
+                     int64_t pt_width, const int32_t *seq_lens, int B, int Hq, int Hkv, int D, int page_size,
+                     int window, float scale, int nthreads) {
     if (Hkv <= 0 || Hq % Hkv || D <= 0 || Hq * D > 65536) return -1;
+    for (int b = 0; b < B; b++) {  /* every page read lies inside the pool, or nothing is computed */
+        int S = seq_lens[b];
+        if (S < 1 || (int64_t)(S + page_size - 1) / page_size > pt_width) return -2;
+        for (int i = 0; i < (S + page_size - 1) / page_size; i++) {
+            int32_t page = page_table[(int64_t)b * pt_width + i];
+            if (page < 0 || page >= num_pages) return -2;
+        }
+    }
     int G = Hq / Hkv;
     int split = B >= 2 * nthreads ? 1 : Hkv;  /* tasks per request: 1, or one per KV head */
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
@@ -159,7 +172,7 @@ int decode_attention(const float *q, float *out, const float *k_base, const floa
         int S = seq_lens[b];
         int lo = (window > 0 && S > window) ? S - window : 0;
         attend_one(q + (int64_t)b * Hq * D, out + (int64_t)b * Hq * D, k_base, v_base, page_stride, slot_stride,
-                   page_table + (int64_t)b * pt_stride, S, lo, Hq, G, kv_lo, kv_hi, D, page_size, scale);
+                   page_table + (int64_t)b * pt_width, S, lo, Hq, G, kv_lo, kv_hi, D, page_size, scale);
     }
     return 0;
 }

@@ -77,3 +77,20 @@ def test_auto_picks_the_native_backend_for_float32_on_cpu_only() -> None:
     assert EngineConfig(device="cuda").resolved_attention_backend == "triton"
     with pytest.raises(ValueError, match="--attention-backend cpu runs float32 on the CPU only"):
         EngineConfig(attention_backend="cpu", dtype="bfloat16")
+
+
+def test_out_of_pool_indices_raise_instead_of_reading_or_writing_past_it() -> None:
+    native = NativeKernels.get()
+    pool = KVPool(8, 2, PS, HKV, D, torch.float32, "cpu")
+    k_pages, v_pages = pool.layer(1)
+    qkv = torch.randn(2, (HQ + 2 * HKV) * D)
+    cos, sin = torch.ones(2, D // 2), torch.zeros(2, D // 2)
+    for page, off in ([3, 8], [0, 0]), ([3, 4], [0, PS]):  # a page past the pool; a slot past the page
+        with pytest.raises(ValueError, match="outside the pool"):
+            native.rope_store(qkv, cos, sin, k_pages, v_pages, torch.tensor(page), torch.tensor(off), HQ, HKV, D)
+    assert torch.count_nonzero(pool.buffer) == 0  # nothing was written, not even the good token
+    q = torch.randn(1, HQ, D)
+    for table, seq in ([[9]], 5), ([[1]], PS + 1):  # a page past the pool; a length past the table
+        with pytest.raises(ValueError, match="outside the page table or the pool"):
+            native.decode_attention(q, k_pages, v_pages, torch.tensor(table, dtype=torch.int32),
+                                    torch.tensor([seq], dtype=torch.int32), 0, 0.125)
