@@ -41,7 +41,7 @@ def test_kv_pool_gets_huge_pages() -> None:
     pool = KVPool(200, 30, 16, 3, 64, torch.float32, "cpu")  # 141 MiB
     assert torch.count_nonzero(pool.buffer) == 0  # still zeros, as torch.zeros gave
     if sys.platform.startswith("linux") and thp_mode() in ("always", "madvise"):
-        assert anon_huge_kb(pool.buffer) >= 100 * 1024
+        assert anon_huge_kb(pool.buffer) >= 64 * 1024  # 32+ huge pages (fragmented memory may refuse some)
     else:  # the advice is refused or means nothing here; the pool still works
         assert pool.buffer.shape[0] == 200
 
