@@ -96,7 +96,7 @@ static void attend_one(const float *q, float *out, const float *k_base, const fl
                        int64_t slot_stride, const int32_t *pages, int S, int lo, int Hq, int G, int kv_lo,
                        int kv_hi, int D, int page_size, float scale) {
     int H = (kv_hi - kv_lo) * G, h0 = kv_lo * G;
-    float qs[H][D], acc[H][D], sc[H][KEY_BLOCK], m[H], l[H];  /* stack: 5 KiB for SmolLM2, <= 200 KiB */
+    float qs[H][D], acc[H][D], sc[H][KEY_BLOCK], m[H], l[H];  /* stack: 7 KiB for SmolLM2, <= 257 KiB */
     for (int h = 0; h < H; h++) {
         for (int d = 0; d < D; d++) { qs[h][d] = q[(int64_t)(h0 + h) * D + d] * scale; acc[h][d] = 0.0f; }
         m[h] = -INFINITY;
@@ -154,7 +154,7 @@ int decode_attention(const float *q, float *out, const float *k_base, const floa
                      int64_t page_stride, int64_t slot_stride, int64_t num_pages, const int32_t *page_table,
                      int64_t pt_width, const int32_t *seq_lens, int B, int Hq, int Hkv, int D, int page_size,
                      int window, float scale, int nthreads) {
-    if (Hkv <= 0 || Hq % Hkv || D <= 0 || Hq * D > 16384) return -1;  /* bounds the stack a task uses */
+    if (Hkv <= 0 || Hq % Hkv || D <= 0 || Hq > 256 || Hq * D > 16384) return -1;  /* bounds a task's stack */
     for (int b = 0; b < B; b++) {  /* every page read lies inside the pool, or nothing is computed */
         int S = seq_lens[b];
         if (S < 1 || (int64_t)(S + page_size - 1) / page_size > pt_width) return -2;
