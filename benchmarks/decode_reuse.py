@@ -71,8 +71,7 @@ def decode_counters(url: str) -> dict[str, float]:
     parsed = promtext.parse(httpx.get(url + "/metrics", timeout=10).text)
     out = {"transfer_bytes_reused_total": promtext.total(parsed, "pdserve_worker_transfer_bytes_reused_total")}
     for name in ("kv_pages_reused_on_decode", "kv_prefix_refused_by_prefill"):
-        out[name] = sum(v for (metric, labels), v in parsed.items()
-                        if metric == "pdserve_worker_counters" and ("name", name) in labels)
+        out[name] = promtext.total(parsed, f"pdserve_worker_{name}_total")
     return out
 
 

@@ -97,10 +97,10 @@ def pd(a: argparse.Namespace, prompt: list[int], n4: bool) -> dict:
                                        timeout_s=1800)
         wall = time.perf_counter() - t0
         assert all(o.error is None for o in done.values()), [o.error for o in done.values()]
-        return {"prefill_tokens": pair.prefill.stats()["counters"]["forward_tokens"],
+        return {"prefill_tokens": pair.prefill.stats().counters.forward_tokens,
                 "prefill_peak_kv_pages": pair.p_kv.pool.allocator.high_water,
                 "decode_peak_kv_pages": pair.d_kv.pool.allocator.high_water,
-                "kv_bytes_transferred": pair.decode.stats()["transfer_bytes_total"], "wall_s": round(wall, 3),
+                "kv_bytes_transferred": pair.decode.stats().transfer.bytes, "wall_s": round(wall, 3),
                 "tokens": [tokens[k] for k in sorted(tokens)]}
     finally:
         pair.close()

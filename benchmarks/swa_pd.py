@@ -54,7 +54,7 @@ def run(model: Path, args: argparse.Namespace) -> dict:
         held["decode_peak"] = pair.d_kv.pool.allocator.high_water  # inside steps too
         held["prefill_peak"] = pair.p_kv.pool.allocator.high_water
         page_bytes = pair.d_kv.pool.page_bytes
-        nbytes = pair.decode.stats()["transfer_bytes_total"]
+        nbytes = pair.decode.stats().transfer.bytes
         return {"kv_bytes_transferred": nbytes, "kv_pages_transferred": nbytes // page_bytes,
                 "page_bytes": page_bytes, **{f"{k}_pages": v for k, v in held.items()},
                 "window_freed_pages": {"prefill": pair.p_kv.trimmed_pages, "decode": pair.d_kv.trimmed_pages},

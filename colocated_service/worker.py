@@ -5,6 +5,8 @@ Lifecycle of one request here (the whole path: docs/architecture.md):
   2. each step: reload retracted requests, grow running ones by a page (retracting when pages run
      out), plan prompt chunks under the token budget and the admission rule, one forward for all
   3. every sampled token goes back to the frontend in a TokenBatch; finished requests free every page
+The role's step is nano-vllm's: schedule -> run -> postprocess, all inside `Scheduler.step`, then
+report what the scheduler's outbox holds (`Scheduler.drain`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from engine.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
+from service.stats import WorkerStats
 from service.tracing import scheduler_hook
 from service.worker import req_from_msg, run_loop, setup_process, token_out
 
@@ -30,7 +33,7 @@ class ColocatedRole:
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
         req = req_from_msg(msg, "colocated")
         if req.trace is not None:
-            req.trace.begin("queue", prompt_tokens=len(req.input_ids))
+            req.trace.begin("queue", prompt_tokens=req.num_prompt_tokens)
         self.sched.add(req)  # a prompt the KV pool can never hold is reported at the next step
         return []
 
@@ -41,16 +44,15 @@ class ColocatedRole:
         return self.sched.has_work() or bool(self.sched.outbox)
 
     def step(self) -> list[m.TokenOut]:
-        if not self.sched.has_work():
-            out, self.sched.outbox = self.sched.outbox, []
-            return [token_out(r) for r in out]
-        return [token_out(r) for r in self.sched.step()]
+        if self.sched.has_work():
+            self.sched.step()
+        return [token_out(r) for r in self.sched.drain()]
 
-    def stats(self) -> dict:
-        return self.sched.stats()
+    def stats(self) -> WorkerStats:
+        return WorkerStats.from_scheduler(self.sched.stats())
 
     def busy(self) -> int:
-        return len(self.sched.waiting) + len(self.sched.running)
+        return self.sched.load()
 
     def wait(self, io: WorkerChannels) -> None:
         io.wait(1000)

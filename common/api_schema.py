@@ -1,150 +1,31 @@
-"""The HTTP API as pydantic models, for the OpenAPI document only (/openapi.json, /docs) of the router
-and of every service: request and response bodies of /v1/chat/completions, /v1/completions and
-/generate, and the error responses.
+"""The HTTP API in the OpenAPI document (/openapi.json, /docs) of the router and of every service: the
+request models of /v1/chat/completions, /v1/completions and /generate (common/api_requests.py, the same
+models the services parse with), their answers, and every status and content type an endpoint returns.
 
-Nothing validates a body against these models: the services parse each request once in
-service/protocol.py (its clear 400 messages are the contract), and the router's hot path (router/asgi.py)
-never reaches FastAPI. `route_docs(path)` gives the keyword arguments of a FastAPI route declaration
+The router's hot path (router/asgi.py) never reaches FastAPI: it relays bytes and checks only what it
+needs itself. A service's handlers read the raw body and parse it once with the request models
+(service/protocol.py). `route_docs(path)` gives the keyword arguments of a FastAPI route declaration
 (request body by reference in `openapi_extra`, so FastAPI reads no body; `response_model` documents the
-answer and is skipped because the handlers return Response objects); `install(app)` adds the request
-models to the app's schema components.
+answer and is skipped because the handlers return Response objects); `errors`, `plain_text` and
+`status_object` document the
+answers of the other routes; `install(app)` adds the request models to the app's schema components.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+
+from common.api_requests import ChatCompletionRequest, CompletionRequest, GenerateRequest, ToolCall
 
 REF = "#/components/schemas/{model}"
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields a server may ignore
-
-
-# ---- requests ---------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class SamplingFields(_Open):
-    temperature: float | None = Field(None, ge=0, le=100, description="0 = greedy")
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, description="-1 = off")
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=0, description="the same seed gives the same text, PD or colocated")
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-    min_tokens: int | None = Field(None, ge=0)
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class ContentPart(BaseModel):
-    type: str = Field(description="only 'text' is supported")
-    text: str
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str = Field(description="the arguments as JSON text")
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: str = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Open):
-    role: str = Field(description="system, user, assistant, developer or tool")
-    content: str | list[ContentPart] | None
-    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's earlier calls")
-    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-    name: str = ""
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema every reply follows")
-    strict: bool | None = Field(None, description="replies always follow the schema, strict or not")
-
-
-class ResponseFormat(BaseModel):
-    type: str = Field("text", description="text, json_object or json_schema (xgrammar-constrained decoding)")
-    json_schema: JsonSchemaFormat | None = None
-
-
-class FunctionDef(BaseModel):
-    name: str = Field(description="1-64 letters, digits, '_' or '-'")
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments object")
-
-
-class ToolDef(BaseModel):
-    type: str = "function"
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: str = "function"
-    function: NamedFunction
-
-
-class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
-    n: int = Field(1, ge=1, le=64, description="choices (1..64): the prompt is computed once and its KV shared; "
-                                              "with a seed, choice i draws from a seed derived from (seed, i)")
-    response_format: ResponseFormat | None = None
-    tools: list[ToolDef] | None = Field(None, description="functions the reply may call (one call per reply)")
-    tool_choice: str | NamedToolChoice | None = Field(
-        None, description="none, auto (default with tools), required, or a named function; required and named "
-                          "replies are constrained to a valid call")
-
-
-class CompletionRequest(SamplingFields):
-    model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="one prompt per request")
-    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: the prompt (and its logprobs) alone")
-    logprobs: int | None = Field(None, ge=0, le=5, description="alternatives per token")
-    echo: bool = Field(False, description="the prompt in front of the text (and its logprobs)")
-    n: int = Field(1, ge=1, le=64, description="choices (1..64): the prompt is computed once and its KV shared; "
-                                              "with a seed, choice i draws from a seed derived from (seed, i)")
-    response_format: ResponseFormat | None = None
-
-
-class GenerateRequest(_Open):
-    text: str | None = Field(None, description="give text or input_ids")
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | None = Field(
-        None, description="temperature, top_p, top_k, min_p, max_new_tokens, min_new_tokens, stop, "
-                          "stop_token_ids, ignore_eos, seed, skip_special_tokens, frequency_penalty, "
-                          "presence_penalty, repetition_penalty, logit_bias, n (1..64 choices: the answer "
-                          "is then a list of n results, each streamed result carries its index); "
-                          "structured output: at most one "
-                          "of json_schema (a string or object), regex, ebnf")
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20, description="needs return_logprob")
-    logprob_start_len: int = Field(-1, ge=-1, description="-1: output logprobs only; k: prompt positions k..")
-    rid: str | None = None
+    model_config = ConfigDict(extra="allow")
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -221,7 +102,7 @@ class GenerateMeta(_Open):
     completion_tokens: int
     cached_tokens: int
     output_token_logprobs: list[list[Any]] | None = Field(None, description="[logprob, id, null] per token")
-    output_top_logprobs: list[list[list[Any]]] | None = None
+    output_top_logprobs: list[list[list[Any]] | None] | None = None
     input_token_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[list[list[Any]] | None] | None = None
 
@@ -244,19 +125,30 @@ class ErrorResponse(BaseModel):
 
 ERRORS = {
     400: "invalid request (the message names the field)",
-    401: "missing or wrong API key",
-    404: "unknown path or model",
+    401: "missing or wrong API key (router) or internal token (service)",
+    404: "unknown path, model or worker",
+    409: "a conflict: the router runs several processes (admin), requests are running (flush_cache)",
     413: "request body too large",
     429: "too many requests",
-    503: "no worker available or the service is draining (Retry-After)",
+    499: "the client disconnected before the answer (the router sends no body)",
+    500: "the worker failed the request",
+    502: "every attempt failed on a worker fault (router)",
+    503: "no worker available, the worker is not running, or the service is draining (Retry-After)",
+    504: "every attempt timed out (router)",
 }
+_PROXIED_ERRORS = (400, 401, 404, 413, 429, 499, 500, 502, 503, 504)
 
 _ENDPOINTS = {  # path -> (request model, response model, summary)
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, "OpenAI chat completion"),
     "/v1/completions": (CompletionRequest, CompletionResponse, "OpenAI text completion"),
-    "/generate": (GenerateRequest, GenerateResponse, "SGLang-style native generation"),
+    "/generate": (GenerateRequest, GenerateResponse | list[GenerateResponse], "SGLang-style native generation "
+                  "(with sampling_params.n > 1: a list of n results)"),
 }
 PATHS = tuple(_ENDPOINTS)
+
+
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (an error object on failure), then [DONE]"}}}
 
 
 def route_docs(path: str) -> dict[str, Any]:
@@ -269,11 +161,64 @@ def route_docs(path: str) -> dict[str, Any]:
         "responses": {
             200: {"description": "the answer, or with stream=true a text/event-stream of chunks ending "
                                  "with `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-            **{code: {"model": ErrorResponse, "description": text} for code, text in ERRORS.items()},
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+            **errors(*_PROXIED_ERRORS),
         },
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
     }
+
+
+def errors(*codes: int) -> dict[int | str, Any]:
+    """FastAPI `responses` entries: each code answered with the error model."""
+    return {code: {"model": ErrorResponse, "description": ERRORS[code]} for code in codes}
+
+
+def plain_text(what: str) -> dict[int | str, Any]:
+    """FastAPI `responses` of a route answering 200 as text/plain (declare it with
+    `response_class=PlainTextResponse` so no application/json is documented)."""
+    return {200: {"description": what, "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+def status_object(code: int, what: str) -> dict[int | str, Any]:
+    """A non-error status answered with a JSON object that is not the error model (/health's 503)."""
+    return {code: {"description": what, "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+_WORKER_URL = r"^https?://[A-Za-z0-9.-]*[A-Za-z0-9](:[0-9]{1,5})?/?$"
+
+
+class AddWorkerRequest(BaseModel):
+    """`POST /admin/workers` (router): a worker the router may use."""
+
+    model_config = ConfigDict(strict=True, json_schema_extra={  # bootstrap_port only for a prefill
+        "if": {"properties": {"role": {"const": "decode"}}},
+        "then": {"properties": {"bootstrap_port": {"type": "null"}}}})
+    url: str = Field(pattern=_WORKER_URL, description="http://host:port")
+    role: Literal["prefill", "decode"]
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="prefill only; absent: read /server_info")
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _url(cls, v: Any) -> Any:
+        if not isinstance(v, str) or not re.fullmatch(_WORKER_URL, v):
+            raise ValueError(f"worker URL must look like http://host:port, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _port_for_prefill(self) -> AddWorkerRequest:
+        if self.bootstrap_port is not None and self.role != "prefill":
+            raise ValueError("'bootstrap_port' must be an integer and only for role prefill")
+        return self
+
+
+def body_docs(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a JSON request body a handler reads itself (install() adds the model)."""
+    _BODIES[model.__name__] = model
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": REF.format(model=model.__name__)}}}}}
+
+
+_BODIES: dict[str, type[BaseModel]] = {}  # every model body_docs referenced, by name
 
 
 def install(app: Any) -> None:
@@ -283,7 +228,8 @@ def install(app: Any) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = base()
-            _, defs = models_json_schema([(m[0], "validation") for m in _ENDPOINTS.values()], ref_template=REF)
+            models = list(dict.fromkeys([m[0] for m in _ENDPOINTS.values()] + list(_BODIES.values())))
+            _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
             app.openapi_schema = schema
         return app.openapi_schema

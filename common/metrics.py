@@ -16,6 +16,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from common import checks
+
 prometheus_client.disable_created_metrics()  # no *_created series: pdserve exports none
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -37,7 +39,8 @@ def metric_name(*parts: str) -> str:
 
 
 def is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number (common.checks.is_num, and not inf or nan)."""
+    return checks.is_num(v) and math.isfinite(v)
 
 
 class LabeledCounter:

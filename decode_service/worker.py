@@ -25,7 +25,8 @@ Queues of one request:
              (engine.scheduler.Scheduler does the running part, as in colocated mode)
 
 Finish, abort or failure frees every page and host copy the request holds (with the cache, its
-prompt+output full pages go to the tree and its lock is dropped).
+prompt+output full pages go to the tree and its lock is dropped): engine.lifecycle.finish_request,
+into the Outbox this role shares with its scheduler, whose queues it only queries (load, full, ...).
 """
 
 from __future__ import annotations
@@ -37,15 +38,17 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager, reservation
+from engine.lifecycle import Outbox, finish_request
 from engine.memory import pages_for
 from engine.model_runner import ModelRunner
 from engine.parallel import choices
 from engine.request import FinishReason, Req
-from engine.scheduler import Scheduler, dedup
+from engine.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import PDConfig, ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.stats import WorkerStats
 from service.tracing import scheduler_hook
 from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import ErrorCode, KVPoll, KVReceiver, TransferError, TransferManager
@@ -69,12 +72,12 @@ class DecodeRole:
         self.local_max_running = local_max_running
         budget = dataclasses.replace(cfg, max_prefill_tokens=local_budget,
                                      chunked_prefill_size=min(cfg.chunked_prefill_size, local_budget))
-        self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook())
+        self.outbox = Outbox()  # shared with the scheduler: one drain reports both
+        self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook(), outbox=self.outbox)
         self.prefills = {"local": 0, "local_busy_prefill": 0, "remote": 0, "remote_decode_busy": 0}
         self.page_bytes = runner.pool.page_bytes
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
-        self.outbox: list[Req] = []
         self.tstats = TransferStats()
         self.whole: set[int] = set()  # rooms whose prefill refused our cached prefix: no reuse
         self.reuse = {"pages": 0, "refused": 0}  # pages not transferred thanks to reuse; refusals
@@ -84,8 +87,9 @@ class DecodeRole:
         req, bad = pd_request(msg, self.kv, "decode", 1)
         if req is None:
             return [bad]  # type: ignore[list-item]
-        if req.bootstrap_room in self.transfer or any(r.bootstrap_room == req.bootstrap_room for r in self.prealloc):
-            return [error_out(msg.rid, f"room {req.bootstrap_room} is already in use on this decode", 409)]
+        room = req.pd.room
+        if room in self.transfer or any(r.pd.room == room for r in self.prealloc):
+            return [error_out(msg.rid, f"room {room} is already in use on this decode", 409)]
         why = self._local_reason(req, msg.prefill_here)
         if why:
             self._prefill_here(req, why)
@@ -93,7 +97,7 @@ class DecodeRole:
         self.prefills["remote"] += 1
         self.prealloc.append(req)
         if req.trace is not None:
-            req.trace.begin("admission", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
+            req.trace.begin("admission", room=room, prompt_tokens=req.num_prompt_tokens)
         return []
 
     def _local_reason(self, req: Req, hinted: bool) -> str:
@@ -105,10 +109,10 @@ class DecodeRole:
         its steps are worth more to the running streams than the round trip saved; or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
         and the local prefill queue stays within local_max_queued tokens."""
-        new = len(req.input_ids) - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
+        new = req.num_prompt_tokens - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
         short = new <= self.local_threshold
-        queued = self._queued_local_tokens() if short or hinted else 0  # only these two rules read it
-        load = len(self.sched.running) + len(self.sched.waiting)
+        queued = self.sched.queued_prefill_tokens() if short or hinted else 0  # only these two rules read it
+        load = self.sched.load()
         # the local queue holds at most one threshold of prompt tokens, so a local prompt's first chunk
         # waits at most threshold / budget steps (a burst of short prompts spills over to the prefill)
         if short and queued + new <= self.local_threshold and (not self.local_max_running
@@ -118,12 +122,6 @@ class DecodeRole:
         if short and not why:
             self.prefills["remote_decode_busy"] += 1  # short enough, but this decode is busy: PD
         return why
-
-    def _queued_local_tokens(self) -> int:
-        """Prompt tokens still to compute by the local prefills queued here (a queued prompt not yet
-        matched against the prefix cache counts only what the cache lacks)."""
-        return sum(len(r.input_ids) - max(r.kv_len, self.kv.prefix_len(r))
-                   for r in self.sched.waiting if not r.is_retracted)
 
     def _busy_prefill_reason(self, req: Req, new: int, queued: int) -> str:
         """The router's hint (its prefill is busy) is taken while the prompt's KV fits here now and the
@@ -139,11 +137,11 @@ class DecodeRole:
         computing (TransferInfo.local_prefill); the scheduler prefills it in chunks under the local
         budget, beside the running decodes."""
         try:
-            self.mgr.decline_room(req.bootstrap_room, f"{req.bootstrap_host}:{req.bootstrap_port}")
+            self.mgr.decline_room(req.pd.room, req.pd.addr)
         except ValueError as e:  # a bad bootstrap address: the prefill never hears of this room either
             log.warning("rid=%s: %s", req.rid, e)
         self.prefills["local"] += 1
-        log.info("rid=%s room=%d: prefilled on this decode: %s", req.rid, req.bootstrap_room, why)
+        log.info("rid=%s room=%d: prefilled on this decode: %s", req.rid, req.pd.room, why)
         self.sched.add(req)
 
     def abort(self, msg: m.AbortReq) -> None:
@@ -163,23 +161,20 @@ class DecodeRole:
 
     # ---- one iteration ------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.sched.has_work() or bool(self.sched.outbox) or bool(self.outbox)
+        return self.sched.has_work() or bool(self.outbox)
 
     def wait(self, io: WorkerChannels) -> None:
         self.mgr.idle_wait(1.0, extra=(io.inbox.socket,))
 
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
-        self._poll_transfers()
-        self._admit()
-        done: list[Req] = []
+        self._poll_transfers()  # schedule: received prompts join the batch, failed rooms end
+        self._admit()  # schedule: prealloc -> transfer
         if self.sched.has_work():
             with self.mgr.background():  # receives, acks and heartbeats move during the forward
-                done = self.sched.step()
-        out = self.outbox + self.sched.outbox + done
-        self.outbox, self.sched.outbox = [], []
+                self.sched.step()  # run and postprocess
         self.mgr.progress()
-        return [token_out(r) for r in dedup(out)]
+        return [token_out(r) for r in self.outbox.drain()]
 
     def _reserved_pages(self) -> int:
         rooms = [r for r, _, _ in self.transfer.values()]
@@ -188,48 +183,51 @@ class DecodeRole:
 
     def _fork_pages(self, r: Req) -> int:
         """Pages r's choices 2..n take when its KV arrives (KVManager.fork)."""
-        return len(r.forks) * self.kv.fork_pages(len(r.input_ids))
+        return len(r.choice.forks) * self.kv.fork_pages(r.num_prompt_tokens)
 
     def _fits(self, r: Req, busy: bool) -> bool:
         """The admission rule for a whole prompt's KV now (its pages from the window's start on, less
         the cached prefix it already holds)."""
-        n = len(r.input_ids)
-        need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.shared_pages) + self._fork_pages(r)
+        n = r.num_prompt_tokens
+        need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.kv.shared_pages) + self._fork_pages(r)
         own = reservation(choices(r), self.cfg.new_token_ratio, self.kv.page_size)
         return self.kv.can_admit(need, own, self._reserved_pages(), busy)
 
     def _admit(self) -> None:
         while self.prealloc:
-            if any(r.is_retracted for r in self.sched.waiting):  # retracted requests come back first
+            if self.sched.has_retracted():  # retracted requests come back first
                 return
-            if len(self.sched.running) + len(self.sched.waiting) + len(self.transfer) >= self.cfg.max_running_requests:
+            if self.sched.full(pending=len(self.transfer)):
                 return
             r = self.prealloc[0]
-            if r.bootstrap_room not in self.whole:
+            if r.pd.room not in self.whole:
                 self.kv.match(r)  # decode-side reuse: the cached prefix's pages, locked (none: no cache)
-            if not self._fits(r, busy=bool(self.sched.running or self.transfer)):
+            if not self._fits(r, busy=bool(self.sched.counts().running or self.transfer)):
                 self.kv.unmatch(r)
                 return  # wait for memory
             self.prealloc.popleft()
-            n = len(r.input_ids)
-            r.dropped_pages = self.kv.window_start(n)  # sliding window: pages no query will read
-            if not r.shared_pages:
-                r.pages = [0] * r.dropped_pages  # 0 marks a page never held
-            skip = len(r.pages)  # pages not transferred: outside the window, or cached here
-            need = pages_for(n, self.kv.page_size) - skip
-            r.pages = r.pages + self.kv.allocate(need)
-            addr = f"{r.bootstrap_host}:{r.bootstrap_port}"
-            cached = r.input_ids[: r.shared_pages * self.kv.page_size]
-            try:
-                rx = self.mgr.create_receiver(r.bootstrap_room, addr, r.pages[skip:], cached)
-            except (TransferError, ValueError) as e:
-                code = int(e.code) if isinstance(e, TransferError) else 400
-                self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
-                continue
-            self.transfer[r.bootstrap_room] = (r, rx, time.monotonic())
-            if r.trace is not None:
-                r.trace.end("admission", pages=need)
-                r.trace.begin("kv_transfer", room=r.bootstrap_room, pages=need)
+            self._receive(r)
+
+    def _receive(self, r: Req) -> None:
+        """Reserve r's uncached prompt pages and open the receiver for its room."""
+        kv, n = r.kv, r.num_prompt_tokens
+        kv.dropped_pages = self.kv.window_start(n)  # sliding window: pages no query will read
+        if not kv.shared_pages:
+            kv.pages = [0] * kv.dropped_pages  # 0 marks a page never held
+        skip = len(kv.pages)  # pages not transferred: outside the window, or cached here
+        need = pages_for(n, self.kv.page_size) - skip
+        kv.pages = kv.pages + self.kv.allocate(need)
+        cached = r.token_ids[: kv.shared_pages * self.kv.page_size]
+        try:
+            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached)
+        except (TransferError, ValueError) as e:
+            code = int(e.code) if isinstance(e, TransferError) else 400
+            self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
+            return
+        self.transfer[r.pd.room] = (r, rx, time.monotonic())  # type: ignore[index]
+        if r.trace is not None:
+            r.trace.end("admission", pages=need)
+            r.trace.begin("kv_transfer", room=r.pd.room, pages=need)
 
     def _poll_transfers(self) -> None:
         for room, (r, rx, t0) in list(self.transfer.items()):
@@ -239,8 +237,8 @@ class DecodeRole:
             elif st == KVPoll.SUCCESS:
                 meta = rx.metadata or {}
                 self._drop_transfer(room, keep_pages=True)
-                self.reuse["pages"] += r.shared_pages
-                nbytes = (len(r.pages) - max(r.dropped_pages, r.shared_pages)) * self.page_bytes
+                self.reuse["pages"] += r.kv.shared_pages
+                nbytes = (len(r.kv.pages) - max(r.kv.dropped_pages, r.kv.shared_pages)) * self.page_bytes
                 self.tstats.success(nbytes, time.monotonic() - t0)
                 if r.trace is not None:
                     r.trace.end("kv_transfer", bytes=nbytes)
@@ -265,7 +263,7 @@ class DecodeRole:
         self.reuse["refused"] += 1
         if r.trace is not None:
             r.trace.end("kv_transfer", refused="cached prefix")
-            r.trace.begin("admission", room=room, prompt_tokens=len(r.input_ids))
+            r.trace.begin("admission", room=room, prompt_tokens=r.num_prompt_tokens)
         self.prealloc.appendleft(r)
 
     def _commit(self, r: Req, meta: dict) -> None:
@@ -274,34 +272,28 @@ class DecodeRole:
             self._report(r, FinishReason.ERROR, "the prefill sent no first token", 500)
             return
         firsts = [meta["first_token"], *(meta.get("fork_tokens") or [])]
-        if len(firsts) != 1 + len(r.forks):
-            why = f"the prefill sent {len(firsts)} first tokens for n={1 + len(r.forks)}"
+        if len(firsts) != len(choices(r)):
+            why = f"the prefill sent {len(firsts)} first tokens for n={len(choices(r))}"
             self._report(r, FinishReason.ERROR, why, 500)
             return
-        if not self._room_for_forks(r):
+        # the forks' pages were counted at admission, but running requests may have grown into them
+        # since: the scheduler retracts its newest running requests until they fit
+        if not self.sched.make_room(self._fork_pages(r)):
             self._report(r, FinishReason.ERROR, "out of KV memory for the choices of n > 1", 503)
             return
-        self.whole.discard(r.bootstrap_room)
-        r.kv_len = len(r.input_ids)
-        r.cached_tokens = int(meta.get("cached_tokens", 0))  # the prefill's hit: usage reports compute saved
+        self.whole.discard(r.pd.room)  # type: ignore[arg-type]
+        r.kv.kv_len = r.num_prompt_tokens
+        r.kv.cached_tokens = int(meta.get("cached_tokens", 0))  # the prefill's hit: usage reports compute saved
         lps = [meta.get("first_logprob", 0.0), *(meta.get("fork_logprobs") or [])]
         tops = [meta.get("first_top_logprobs"), *(meta.get("fork_top_logprobs") or [])]
         for i, c in enumerate(choices(r)):
-            c.output_ids.append(int(firsts[i]))
-            if c.return_logprob:
-                c.output_logprobs.append(float(lps[i] if i < len(lps) else 0.0))
+            c.append_token(int(firsts[i]))
+            if c.logprobs.on:
+                c.logprobs.output.append(float(lps[i] if i < len(lps) else 0.0))
                 top = tops[i] if i < len(tops) else None
-                if c.top_logprobs_num and top:
-                    c.output_top_logprobs.append((list(top[0]), list(top[1])))
+                if c.logprobs.top_k and top:
+                    c.logprobs.output_top.append((list(top[0]), list(top[1])))
         self.sched.join_running(r)  # n > 1: the choices fork r's KV first
-
-    def _room_for_forks(self, r: Req) -> bool:
-        """The forks' pages were counted at admission, but running requests may have grown into
-        them since: retract the newest running requests until they fit."""
-        need = self._fork_pages(r)
-        while need > self.kv.free_pages and self.sched.running:
-            self.sched.retract(self.sched.running[-1])
-        return need <= self.kv.free_pages
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
         r, rx, _ = self.transfer.pop(room)
@@ -310,30 +302,28 @@ class DecodeRole:
             self.kv.release(r)
 
     def _report(self, r: Req, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
-        self.whole.discard(r.bootstrap_room)
-        for c in choices(r):  # n > 1: the choices waiting on r end with it
-            c.finish(reason, error, code, fault)
-            self.outbox.append(c)
-        r.forks = []
-        self.kv.release(r)
+        """End a request this role holds (prealloc or transfer): n > 1, its waiting choices with it."""
+        self.whole.discard(r.pd.room)  # type: ignore[arg-type]
+        finish_request(r, self.kv, self.outbox, reason, error, code, fault)
 
     # ---- reporting ----------------------------------------------------------------------------
     def busy(self) -> int:
-        return len(self.prealloc) + len(self.transfer) + len(self.sched.waiting) + len(self.sched.running)
+        return len(self.prealloc) + len(self.transfer) + self.sched.load()
 
-    def stats(self) -> dict:
-        s = self.sched.stats()
-        s["queues"].update(prealloc=len(self.prealloc), transfer=len(self.transfer))
-        s["counters"].update({f"prefills_{k}": v for k, v in self.prefills.items()})
-        s["counters"].update(kv_pages_reused_on_decode=self.reuse["pages"],
-                             kv_prefix_refused_by_prefill=self.reuse["refused"])
-        # KV not moved thanks to reuse; on /metrics: pdserve_worker_transfer_bytes_reused_total
-        s["transfer_bytes_reused_total"] = self.reuse["pages"] * self.page_bytes
+    def stats(self) -> WorkerStats:
+        s = WorkerStats.from_scheduler(self.sched.stats())
+        s.queues.update(prealloc=len(self.prealloc), transfer=len(self.transfer))
+        s.counters = dataclasses.replace(s.counters, **{f"prefills_{k}": v for k, v in self.prefills.items()},
+                                         kv_pages_reused_on_decode=self.reuse["pages"],
+                                         kv_prefix_refused_by_prefill=self.reuse["refused"])
         # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests);
         # the prefix cache's unlocked pages count as free
-        s["kv_usage"] = round(self.kv.used_tokens / max(1, self.kv.pool.total_tokens), 4)
-        s["running_requests"] = len(self.sched.running)
-        return {**s, "active_rooms": self.mgr.active_rooms(), "transfer": self.mgr.stats(), **self.tstats.info()}
+        s.kv.usage = round(self.kv.used_tokens / max(1, self.kv.pool.total_tokens), 4)
+        s.running_requests = self.sched.counts().running
+        s.active_rooms, s.link = self.mgr.active_rooms(), self.mgr.stats()
+        # KV not moved thanks to reuse; on /metrics: pdserve_worker_transfer_bytes_reused_total
+        s.transfer = self.tstats.totals(reused_bytes=self.reuse["pages"] * self.page_bytes)
+        return s
 
     def close(self) -> None:
         for _, rx, _ in self.transfer.values():

@@ -1,6 +1,6 @@
 """One model step over a mixed batch: extend items (prompt chunks) plus decode requests.
 
-`BatchExecutor.run` does the forward and the bookkeeping after it: advances kv_len, collects
+`BatchExecutor.run` does the forward and the bookkeeping after it: advances kv.kv_len, collects
 prompt logprobs (only the rows a request asked for), samples the next token for requests whose
 prompt is now fully cached and for every decode request (with logprobs when asked), and applies stop
 conditions. A request with forks (n > 1, engine.parallel) has each fork's first token sampled from
@@ -15,18 +15,19 @@ import torch
 
 from engine.logprobs import TopK, token_logprobs
 from engine.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ModelRunner, Segment
-from engine.request import Req, StopChecker
+from engine.request import Req
 from engine.sampling import Sampler
+from engine.stops import StopChecker
 
 
 @dataclass
 class ExtendItem:
     req: Req
-    num_tokens: int  # prompt tokens computed this step, from req.kv_len
+    num_tokens: int  # prompt tokens computed this step, from req.kv.kv_len
     completes_prompt: bool = False  # fixed at planning time, before kv_len advances
 
     def __post_init__(self) -> None:
-        self.completes_prompt = self.req.kv_len + self.num_tokens >= len(self.req.fill_ids)
+        self.completes_prompt = self.req.kv.kv_len + self.num_tokens >= len(self.req.token_ids)
 
 
 @dataclass
@@ -48,10 +49,11 @@ class BatchExecutor:
         for it in extend:
             r = it.req
             mode, skip = _logit_rows(it)
-            segments.append(Segment(r.pages, r.kv_len, r.fill_ids[r.kv_len : r.kv_len + it.num_tokens], mode, skip))
+            start = r.kv.kv_len
+            segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip))
         for r in decode:
-            assert len(r.fill_ids) == r.kv_len + 1, "decode request must have exactly one uncached token"
-            segments.append(Segment(r.pages, r.kv_len, [r.fill_ids[-1]], LOGITS_LAST))
+            assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
+            segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:], LOGITS_LAST))
         if not segments:
             return StepResult([], [], [])
         self.forward_tokens += sum(len(s.tokens) for s in segments)
@@ -61,15 +63,15 @@ class BatchExecutor:
         for it, seg, lg in zip(extend, segments, logits[: len(extend)]):
             r = it.req
             if seg.logits == LOGITS_ALL and lg is not None:
-                _input_logprobs(r, r.kv_len + seg.skip, lg)
+                _input_logprobs(r, r.kv.kv_len + seg.skip, lg)
                 lg = lg[-1]
-            r.kv_len += it.num_tokens
+            r.kv.kv_len += it.num_tokens
             if it.completes_prompt:
-                r.input_logprobs_done = r.wants_input_logprobs
+                r.logprobs.input_done = r.logprobs.wants_input
                 to_sample.append((r, lg))
-                to_sample.extend((f, lg) for f in r.forks)  # n > 1: each choice draws from this row
+                to_sample.extend((f, lg) for f in r.choice.forks)  # n > 1: each choice draws from this row
         for r, lg in zip(decode, logits[len(extend) :]):
-            r.kv_len += 1
+            r.kv.kv_len += 1
             to_sample.append((r, lg))
         sampled = self._sample(to_sample)
         return StepResult(extend, decode, sampled)
@@ -80,17 +82,17 @@ class BatchExecutor:
         reqs = [r for r, _ in items]
         logits = torch.stack([lg for _, lg in items])  # [B, V] fp32
         tokens = self.sampler.sample(logits, reqs)
-        want = [i for i, r in enumerate(reqs) if r.return_logprob]
+        want = [i for i, r in enumerate(reqs) if r.logprobs.on]
         if want:  # only the rows that asked: no softmax over the vocabulary otherwise
-            k = max(reqs[i].top_logprobs_num for i in want)
+            k = max(reqs[i].logprobs.top_k for i in want)
             lps, tops = token_logprobs(logits[want], [tokens[i] for i in want], k)
             for j, i in enumerate(want):
-                r = reqs[i]
-                r.output_logprobs.append(lps[j])
-                if r.top_logprobs_num:
-                    r.output_top_logprobs.append(_first(tops[j], r.top_logprobs_num))
+                lp = reqs[i].logprobs
+                lp.output.append(lps[j])
+                if lp.top_k:
+                    lp.output_top.append(_first(tops[j], lp.top_k))
         for i, r in enumerate(reqs):
-            r.output_ids.append(tokens[i])
+            r.append_token(tokens[i])
             self.stops.check(r)
         return reqs
 
@@ -103,19 +105,19 @@ def _logit_rows(it: ExtendItem) -> tuple[int, int]:
     """(logits mode, rows skipped) of an extend item's segment. Prompt logprobs from position s need
     the rows of positions s-1 .. len-2 (row p predicts token p+1); the last prompt row is sampled."""
     r = it.req
-    if r.wants_input_logprobs:
-        first = max(r.logprob_start_len, 1) - 1  # the first position whose row is needed
-        end = r.kv_len + it.num_tokens  # this chunk covers positions kv_len .. end-1
+    if r.logprobs.wants_input:
+        first = max(r.logprobs.start_len, 1) - 1  # the first position whose row is needed
+        end = r.kv.kv_len + it.num_tokens  # this chunk covers positions kv_len .. end-1
         if first < end:  # first <= len-2, so a chunk that completes the prompt always has its last row
-            return LOGITS_ALL, max(0, first - r.kv_len)
+            return LOGITS_ALL, max(0, first - r.kv.kv_len)
     return (LOGITS_LAST if it.completes_prompt else LOGITS_NONE), 0
 
 
 def _input_logprobs(r: Req, pos0: int, lg: torch.Tensor) -> None:
     """lg: fp32 [n, V], the rows of positions pos0 .. pos0+n-1; row p scores prompt token p+1."""
-    n = min(lg.shape[0], len(r.input_ids) - 1 - pos0)  # the last prompt row scores no prompt token
+    n = min(lg.shape[0], r.num_prompt_tokens - 1 - pos0)  # the last prompt row scores no prompt token
     if n <= 0:
         return
-    lps, tops = token_logprobs(lg[:n], r.input_ids[pos0 + 1 : pos0 + 1 + n], r.top_logprobs_num)
-    r.input_logprobs.extend(lps)
-    r.input_top_logprobs.extend(tops)
+    lps, tops = token_logprobs(lg[:n], r.token_ids[pos0 + 1 : pos0 + 1 + n], r.logprobs.top_k)
+    r.logprobs.input.extend(lps)
+    r.logprobs.input_top.extend(tops)

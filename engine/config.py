@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.checks import need
+
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 
 
@@ -146,10 +148,6 @@ class EngineConfig:
     prefix_cache: bool = False
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be cpu or cuda[:N], got {self.device!r}")
         need(self.dtype in ("float32", "bfloat16", "float16"),

@@ -10,7 +10,7 @@ import torch
 from engine.config import EngineConfig
 from engine.memory import pages_for
 from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
-from engine.request import Req
+from engine.request import LogprobState, Req
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -44,25 +44,26 @@ class LLM:
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False) -> list[Completion]:
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [Req(rid=f"offline-{next(self._ids)}", input_ids=self.encode(p), sampling=sp,
-                    return_logprob=return_logprob, logprob_start_len=0 if return_logprob else -1)
+        reqs = [Req(rid=f"offline-{next(self._ids)}", token_ids=self.encode(p), sampling=sp,
+                    logprobs=LogprobState(on=return_logprob, start_len=0 if return_logprob else -1))
                 for p, sp in zip(prompts, plist)]
         for r in reqs:
             self.scheduler.add(r)
         pending = {r.rid for r in reqs}
         while pending:
-            for r in self.scheduler.step():
+            self.scheduler.step()
+            for r in self.scheduler.drain():
                 if r.finished:
                     pending.discard(r.rid)
         return [self._completion(r) for r in reqs]
 
     def _completion(self, r: Req) -> Completion:
         return Completion(
-            rid=r.rid, prompt_ids=r.input_ids, output_ids=list(r.output_ids),
+            rid=r.rid, prompt_ids=r.input_ids, output_ids=r.output_ids,
             text=self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
             finish_reason=r.finish_reason.value if r.finish_reason else "", error=r.error,
-            output_logprobs=list(r.output_logprobs), input_logprobs=list(r.input_logprobs),
-            retractions=r.retractions,
+            output_logprobs=list(r.logprobs.output), input_logprobs=list(r.logprobs.input),
+            retractions=r.kv.retractions,
         )
 
     def prompt_logits(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:

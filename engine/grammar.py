@@ -28,13 +28,21 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 log = logging.getLogger("pdserve.grammar")
 KINDS = ("json_schema", "regex", "ebnf")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(error\.empty\(\)\) is false:\s*)?")
+
+
+class Matcher(Protocol):
+    """What the engine calls on a request's grammar matcher (xgrammar's GrammarMatcher)."""
+
+    def is_terminated(self) -> bool: ...  # it accepted its grammar's end
+    def accept_token(self, token_id: int) -> bool: ...  # False: the grammar forbids the token
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any: ...  # row `index`: allowed tokens
 
 
 class GrammarError(ValueError):
@@ -122,7 +130,7 @@ class Grammars:
                 self._cache.popitem(last=False)
             return g
 
-    def matcher(self, spec: GrammarSpec, accepted: Sequence[int]) -> Any:
+    def matcher(self, spec: GrammarSpec, accepted: Sequence[int]) -> Matcher:
         """A fresh matcher for `spec` that has accepted `accepted` (tokens generated before)."""
         import xgrammar as xgr
 
@@ -159,7 +167,7 @@ def load_hf_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(str(model_path))
 
 
-def mask_rows(logits: torch.Tensor, matchers: Sequence[Any]) -> None:
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
     """Set to -inf, in place, every token the row's matcher forbids. logits: fp32 [n, V] (CPU), one
     matcher per row (None: no grammar). A terminated matcher's row is left alone (the request ends on that token)."""
     import xgrammar as xgr
@@ -173,7 +181,7 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[Any]) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=live)
 
 
-def accept(matcher: Any, token: int) -> None:
+def accept(matcher: Matcher, token: int) -> None:
     """Advance the matcher past a sampled token (a token the mask allowed always is accepted)."""
     if not matcher.is_terminated():
         matcher.accept_token(int(token))

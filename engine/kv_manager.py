@@ -7,14 +7,14 @@ colocated scheduler, the PD decode's pre-allocation and the extend planner alike
 
 Sliding-window models (`window` > 0: every layer attends to at most that many tokens back) never
 read a page again once it lies wholly before the next query's window: `trim` frees such pages while
-the request runs and leaves 0 (the reserved page) in their place in `req.pages`, which stays indexed
-by position; `req.dropped_pages` counts them. A long generation then holds O(window) pages, and
+the request runs and leaves 0 (the reserved page) in their place in `req.kv.pages`, which stays indexed
+by position; `req.kv.dropped_pages` counts them. A long generation then holds O(window) pages, and
 retraction offloads only the live ones.
 
 Prefix cache (`prefix_cache=True`, full-attention models only: a sliding window frees pages a later
 request would share, so a windowed model runs without it): `match` gives a new request the pages of
 its longest cached page-aligned prefix (`engine/radix_cache.py`), locked, as the first
-`req.shared_pages` entries of `req.pages`, and sets `kv_len`/`cached_tokens` so only the rest is
+`req.kv.shared_pages` entries of `req.kv.pages`, and sets `kv_len`/`cached_tokens` so only the rest is
 computed. `release` inserts the request's full pages into the tree (the tree takes them; duplicates
 and the partial last page are freed) and unlocks. The tree's unlocked pages count as free
 (`free_pages`): allocation evicts them, LRU, when the free list runs short, so the admission rule
@@ -35,13 +35,14 @@ from collections.abc import Iterable
 from engine.memory import HostKVPool, KVPool, pages_for
 from engine.radix_cache import RadixCache
 from engine.request import Req
+from engine.stats import PrefixCacheStats
 
 
 def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
     """Pages kept back for the future tokens of `reqs`: for each, new_token_ratio of the tokens it
     may still generate, rounded up to whole pages (ratio 0 reserves nothing: admit greedily and rely
     on retraction)."""
-    return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - len(r.output_ids))), page_size) for r in reqs)
+    return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - r.num_output_tokens)), page_size) for r in reqs)
 
 
 class KVManager:
@@ -65,51 +66,51 @@ class KVManager:
         """Give a request that holds no pages its longest cached prefix (locked); returns its tokens.
         At least the last prompt token is always computed (its logits are sampled), and prompt
         logprobs asked for are never skipped."""
-        if self.cache is None or req.pages or req.host_pages:
+        if self.cache is None or req.kv.pages or req.kv.host_pages:
             return 0
-        limit = len(req.fill_ids) - 1
-        if req.wants_input_logprobs:
-            limit = min(limit, max(req.logprob_start_len, 1) - 1)
-        hit = self.cache.match(req.fill_ids, limit)
+        limit = len(req.token_ids) - 1
+        if req.logprobs.wants_input:
+            limit = min(limit, max(req.logprobs.start_len, 1) - 1)
+        hit = self.cache.match(req.token_ids, limit)
         if not hit.pages:
             return 0
         self.cache.lock(hit.node)
-        req.prefix_node, req.shared_pages, req.pages = hit.node, len(hit.pages), list(hit.pages)
-        req.kv_len = req.cached_tokens = len(hit.pages) * self.page_size
-        self.hit_tokens += req.kv_len
-        return req.kv_len
+        req.kv.prefix_node, req.kv.shared_pages, req.kv.pages = hit.node, len(hit.pages), list(hit.pages)
+        req.kv.kv_len = req.kv.cached_tokens = len(hit.pages) * self.page_size
+        self.hit_tokens += req.kv.kv_len
+        return req.kv.kv_len
 
     def unmatch(self, req: Req) -> None:
         """Undo `match` for a request that was not admitted after all (it computed nothing)."""
-        if self.cache is None or req.prefix_node is None:
+        if self.cache is None or req.kv.prefix_node is None:
             return
-        assert len(req.pages) == req.shared_pages and req.kv_len == req.cached_tokens
+        assert len(req.kv.pages) == req.kv.shared_pages and req.kv.kv_len == req.kv.cached_tokens
         self._unlock(req)
-        self.hit_tokens -= req.kv_len
-        req.pages, req.kv_len, req.cached_tokens = [], 0, 0
+        self.hit_tokens -= req.kv.kv_len
+        req.kv.pages, req.kv.kv_len, req.kv.cached_tokens = [], 0, 0
 
     def unreserve(self, req: Req) -> None:
         """Give back what a request reserved but never filled (its own pages) and undo its match: a
         PD decode whose prefill refused its cached prefix starts the transfer over, whole."""
-        own = req.pages[self._head(req) :]
-        del req.pages[self._head(req) :]
+        own = req.kv.pages[self._head(req) :]
+        del req.kv.pages[self._head(req) :]
         if own:
             self.pool.allocator.free(own)
         self.unmatch(req)
 
     def prefix_len(self, req: Req) -> int:
         """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
-        return 0 if self.cache is None else self.cache.match_len(req.fill_ids[:-1])
+        return 0 if self.cache is None else self.cache.match_len(req.token_ids, len(req.token_ids) - 1)
 
     def flush(self) -> int:
         """Drop every unlocked cached page (the caller checks the service is idle); returns pages."""
         return 0 if self.cache is None else self.cache.flush()
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> PrefixCacheStats:
         c = self.cache
-        return {"prefix_cached_tokens": 0 if c is None else c.cached_pages * self.page_size,
-                "prefix_hit_tokens": self.hit_tokens,
-                "prefix_evicted_tokens": 0 if c is None else c.evicted_pages * self.page_size}
+        return PrefixCacheStats(cached_tokens=0 if c is None else c.cached_pages * self.page_size,
+                                hit_tokens=self.hit_tokens,
+                                evicted_tokens=0 if c is None else c.evicted_pages * self.page_size)
 
     def _allocate(self, n: int) -> list[int]:
         alloc = self.pool.allocator
@@ -119,12 +120,12 @@ class KVManager:
 
     def extra_pages(self, req: Req, new_tokens: int) -> int:
         """Pages req still needs so that kv_len + new_tokens tokens fit."""
-        return max(0, pages_for(req.kv_len + new_tokens, self.page_size) - len(req.pages))
+        return max(0, pages_for(req.kv.kv_len + new_tokens, self.page_size) - len(req.kv.pages))
 
     def grow(self, req: Req, new_tokens: int) -> None:
         n = self.extra_pages(req, new_tokens)
         if n:
-            req.pages.extend(self._allocate(n))
+            req.kv.pages.extend(self._allocate(n))
 
     def window_start(self, kv_len: int) -> int:
         """Index of the first page a query at position kv_len (or later) can read: pages before it
@@ -174,15 +175,15 @@ class KVManager:
 
     def trim(self, req: Req) -> int:
         """Free the pages no future query of `req` can see (sliding window); returns how many."""
-        if not self.window or req.host_pages:
+        if not self.window or req.kv.host_pages:
             return 0
-        keep_from = min(self.window_start(req.kv_len), len(req.pages))  # the next query sits at kv_len
-        if keep_from <= req.dropped_pages:
+        keep_from = min(self.window_start(req.kv.kv_len), len(req.kv.pages))  # the next query sits at kv_len
+        if keep_from <= req.kv.dropped_pages:
             return 0
-        gone = req.pages[req.dropped_pages : keep_from]
+        gone = req.kv.pages[req.kv.dropped_pages : keep_from]
         self.pool.allocator.free(gone)
-        req.pages[req.dropped_pages : keep_from] = [0] * len(gone)
-        req.dropped_pages = keep_from
+        req.kv.pages[req.kv.dropped_pages : keep_from] = [0] * len(gone)
+        req.kv.dropped_pages = keep_from
         self.trimmed_pages += len(gone)
         return len(gone)
 
@@ -190,25 +191,25 @@ class KVManager:
         """Free every device page and host copy the request holds (idempotent). With the prefix
         cache, the full pages of its computed tokens (prompt and output) go to the tree instead,
         and its lock on the shared prefix is dropped."""
-        own = req.pages[self._head(req) :]
-        if self.cache is not None and req.pages and not req.host_pages:
-            full = min(req.kv_len // self.page_size, len(req.pages))
-            _, dup = self.cache.insert(req.fill_ids[: full * self.page_size], req.pages[:full], req.shared_pages)
-            own = dup + req.pages[max(full, req.shared_pages) :]
+        own = req.kv.pages[self._head(req) :]
+        if self.cache is not None and req.kv.pages and not req.kv.host_pages:
+            full = min(req.kv.kv_len // self.page_size, len(req.kv.pages))
+            _, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages)
+            own = dup + req.kv.pages[max(full, req.kv.shared_pages) :]
         if own:
             self.pool.allocator.free(own)
-        req.pages = []
+        req.kv.pages = []
         self._unlock(req)
-        if req.host_pages:
-            self.host.free(req.host_pages)
-            req.host_pages = []
+        if req.kv.host_pages:
+            self.host.free(req.kv.host_pages)
+            req.kv.host_pages = []
 
     def _unlock(self, req: Req) -> None:
         """Drop req's lock on its shared prefix (a private fork tree frees what nobody holds now)."""
-        if req.prefix_node is None:
+        if req.kv.prefix_node is None:
             return
-        self.tree.unlock(req.prefix_node)  # type: ignore[union-attr]
-        req.prefix_node, req.shared_pages = None, 0
+        self.tree.unlock(req.kv.prefix_node)  # type: ignore[union-attr]
+        req.kv.prefix_node, req.kv.shared_pages = None, 0
         if self.cache is None:
             self.tree.flush()  # type: ignore[union-attr]
 
@@ -225,73 +226,73 @@ class KVManager:
         """Give `child` (holding nothing) the KV of `parent`, whose prompt is computed and which has
         generated nothing past its first token: shared full prompt pages (locked by child too) plus a
         copy of the rest. The caller checked `fork_pages` fit (free_pages)."""
-        assert not child.pages and not child.host_pages and parent.kv_len == len(parent.input_ids)
+        assert not child.kv.pages and not child.kv.host_pages and parent.kv.kv_len == parent.num_prompt_tokens
         if self.tree is not None:
             self._share_prompt(parent)
         head = self._head(parent)
-        rest = parent.pages[head:]
+        rest = parent.kv.pages[head:]
         new = self._allocate(len(rest))
         self.pool.copy_pages(rest, new)
-        child.pages = parent.pages[:head] + new
-        child.dropped_pages = parent.dropped_pages
-        if parent.prefix_node is not None:
-            self.tree.lock(parent.prefix_node)  # type: ignore[union-attr]
-            child.prefix_node, child.shared_pages = parent.prefix_node, parent.shared_pages
-        child.kv_len, child.cached_tokens = parent.kv_len, parent.cached_tokens
+        child.kv.pages = parent.kv.pages[:head] + new
+        child.kv.dropped_pages = parent.kv.dropped_pages
+        if parent.kv.prefix_node is not None:
+            self.tree.lock(parent.kv.prefix_node)  # type: ignore[union-attr]
+            child.kv.prefix_node, child.kv.shared_pages = parent.kv.prefix_node, parent.kv.shared_pages
+        child.kv.kv_len, child.kv.cached_tokens = parent.kv.kv_len, parent.kv.cached_tokens
 
     def _share_prompt(self, req: Req) -> None:
         """Move req's full prompt pages into the tree, locked by req (as if it had matched them).
         A page the tree already holds for the same tokens replaces req's copy, which is freed."""
         tree, ps = self.tree, self.page_size
         assert tree is not None
-        full = min(len(req.input_ids) // ps, len(req.pages))
-        if full <= req.shared_pages:
+        full = min(req.num_prompt_tokens // ps, len(req.kv.pages))
+        if full <= req.kv.shared_pages:
             return
-        node, dup = tree.insert(req.input_ids[: full * ps], req.pages[:full], req.shared_pages)
+        node, dup = tree.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages)
         path, n = [], node
         while n is not tree.root:
             path.append(n.page)
             n = n.parent
-        req.pages[:full] = path[::-1]
+        req.kv.pages[:full] = path[::-1]
         if dup:
             self.pool.allocator.free(dup)
         tree.lock(node)
-        if req.prefix_node is not None:
-            tree.unlock(req.prefix_node)
-        req.prefix_node, req.shared_pages = node, full
+        if req.kv.prefix_node is not None:
+            tree.unlock(req.kv.prefix_node)
+        req.kv.prefix_node, req.kv.shared_pages = node, full
 
     @staticmethod
     def _head(req: Req) -> int:
-        """Leading entries of req.pages that are not its own: trimmed (0) or the cache's (shared)."""
-        return max(req.dropped_pages, req.shared_pages)
+        """Leading entries of req.kv.pages that are not its own: trimmed (0) or the cache's (shared)."""
+        return max(req.kv.dropped_pages, req.kv.shared_pages)
 
     def can_offload(self, req: Req) -> bool:
-        return self.host.can_hold(len(req.pages) - req.dropped_pages)
+        return self.host.can_hold(len(req.kv.pages) - req.kv.dropped_pages)
 
     def offload(self, req: Req) -> None:
         """Retract: copy the request's live KV pages to the host pool and free its own device pages.
         Shared (cached) pages are copied too and unlocked, not freed: a retracted request holds
         nothing on the device (two retracted requests' locks could otherwise starve each other's
         reload), and reload gives it fresh pages for all of them."""
-        live = req.pages[req.dropped_pages :]
-        assert live and not req.host_pages
-        req.host_pages = self.host.offload(self.pool, live)
-        self.pool.allocator.free(req.pages[self._head(req) :])
+        live = req.kv.pages[req.kv.dropped_pages :]
+        assert live and not req.kv.host_pages
+        req.kv.host_pages = self.host.offload(self.pool, live)
+        self.pool.allocator.free(req.kv.pages[self._head(req) :])
         self._unlock(req)
-        req.pages = req.pages[: req.dropped_pages]
-        req.retractions += 1
+        req.kv.pages = req.kv.pages[: req.kv.dropped_pages]
+        req.kv.retractions += 1
         self.retractions += 1
 
     def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
-        return pages_for(req.kv_len + extra_tokens, self.page_size) - len(req.pages) <= self.free_pages
+        return pages_for(req.kv.kv_len + extra_tokens, self.page_size) - len(req.kv.pages) <= self.free_pages
 
     def reload(self, req: Req) -> None:
         """Bring a retracted request's KV back into fresh device pages; host pages are freed."""
-        assert req.host_pages and len(req.pages) == req.dropped_pages
-        pages = self._allocate(len(req.host_pages))
-        self.host.reload(self.pool, req.host_pages, pages)
-        req.pages = req.pages + pages
-        req.host_pages = []
+        assert req.kv.host_pages and len(req.kv.pages) == req.kv.dropped_pages
+        pages = self._allocate(len(req.kv.host_pages))
+        self.host.reload(self.pool, req.kv.host_pages, pages)
+        req.kv.pages = req.kv.pages + pages
+        req.kv.host_pages = []
         self.reloads += 1
 
     def all_free(self) -> bool:

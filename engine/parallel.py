@@ -1,7 +1,7 @@
 """Parallel sampling (`n` > 1): one prompt, n choices, the prompt computed once.
 
 The request as received is choice 0 (the parent); `add_choices` hangs choices 1..n-1 on it
-(`parent.forks`). They wait there, holding nothing, until the parent's prompt is computed; then:
+(`parent.choice.forks`). They wait there, holding nothing, until the parent's prompt is computed; then:
 1. The forward's last-position logits of the parent are sampled once per choice, each with its own
    sampling seed (`choice_seed`), so every choice's first token comes from the same exact logits
    (engine.batch: `BatchExecutor` samples the forks from the parent's row). In PD the prefill does
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.request import Req
+from engine.request import Choice, LogprobState, Req
 
 MAX_N = 64  # choices per request (service.protocol refuses more with a 400)
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio
@@ -45,19 +45,17 @@ def add_choices(parent: Req, n: int) -> None:
     """Make `parent` choice 0 of n and hang choices 1..n-1 on it (nothing is allocated)."""
     if n <= 1:
         return
-    parent.group = parent.rid
-    sp = parent.sampling
-    parent.forks = [
-        Req(rid=choice_rid(parent.rid, i), input_ids=parent.input_ids,
+    parent.choice.group = parent.rid
+    sp, lp = parent.sampling, parent.logprobs
+    parent.choice.forks = [
+        Req(rid=choice_rid(parent.rid, i), token_ids=parent.token_ids[: parent.num_prompt_tokens],
             sampling=dataclasses.replace(sp, seed=choice_seed(sp.seed, i)), stream=parent.stream,
-            return_logprob=parent.return_logprob, top_logprobs_num=parent.top_logprobs_num,
-            bootstrap_host=parent.bootstrap_host, bootstrap_port=parent.bootstrap_port,
-            bootstrap_room=parent.bootstrap_room, created=parent.created,
-            resumed_tokens=parent.resumed_tokens, group=parent.rid, index=i)
+            logprobs=LogprobState(on=lp.on, top_k=lp.top_k), pd=parent.pd, created=parent.created,
+            resumed_tokens=parent.resumed_tokens, choice=Choice(group=parent.rid, index=i))
         for i in range(1, n)
     ]
 
 
 def choices(r: Req) -> list[Req]:
     """r and the choices still waiting on it."""
-    return [r, *r.forks]
+    return [r, *r.choice.forks]

@@ -67,10 +67,10 @@ class RadixCache:
             pages.append(node.page)
         return Match(pages, node)
 
-    def match_len(self, ids: list[int]) -> int:
-        """Tokens of ids a match would reuse (read-only: no LRU touch)."""
+    def match_len(self, ids: list[int], max_tokens: int | None = None) -> int:
+        """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch)."""
         node, n = self.root, 0
-        for key in self._keys(ids, len(ids)):
+        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
                 break

@@ -1,11 +1,15 @@
-"""Req: one generation request as the scheduler sees it, and its stop conditions.
+"""Req: one generation request as the scheduler sees it (its stop conditions: engine.stops).
 
-`TailDecoder` is the one text decoder stop strings are checked with (every scheduler builds its
-StopChecker with one).
+Token bookkeeping: ONE list, `token_ids` = the prompt (its first `num_prompt_tokens` ids) followed
+by the generated tokens; `append_token` adds one. `input_ids`/`output_ids` are copies for reports,
+never read on the hot path (the batch reads `token_ids` in place). `kv.kv_len` tokens of it have KV
+in the cache (in `kv.pages`, or in `kv.host_pages` while retracted). A running decode request has
+`len(token_ids) == kv.kv_len + 1`: its last sampled token's KV is computed by the next decode step.
 
-Token bookkeeping: `fill_ids = input_ids + output_ids`; `kv_len` tokens of it have KV in the cache
-(in `pages`, or in `host_pages` while retracted). A running decode request has
-`len(fill_ids) == kv_len + 1`: its last sampled token's KV is computed by the next decode step.
+What a request carries beside its tokens is grouped by concern: `kv` (KVState: pages and the cache),
+`logprobs` (LogprobState: what was asked, what was computed, what was reported), `pd` (Bootstrap:
+the PD room), `choice` (Choice: parallel sampling), plus its finish state, report cursor, grammar
+matcher and trace.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.logprobs import TopK
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import Matcher
+    from engine.radix_cache import Node
 
 
 class FinishReason(str, Enum):
@@ -27,65 +34,123 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
+class Trace(Protocol):
+    """A request's spans in a worker (service.tracing.ReqTrace); the engine only holds it, the roles
+    call these as the request moves through their queues."""
+
+    def begin(self, phase: str, **attrs: Any) -> None: ...
+    def ensure(self, phase: str, **attrs: Any) -> None: ...
+    def end(self, phase: str, end_ns: int | None = None, **attrs: Any) -> None: ...
+    def annotate(self, phase: str, **attrs: Any) -> None: ...
+    def span(self, phase: str, start_ns: int, end_ns: int, **attrs: Any) -> None: ...
+    def close(self, error: str | None = None) -> None: ...
+
+
 @dataclass
-class Req:
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0  # alternatives per token (engine.logprobs.TopK) when return_logprob
-    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none
-    output_ids: list[int] = field(default_factory=list)
+class KVState:
+    """Where a request's KV lives (engine.kv_manager moves it)."""
+
     pages: list[int] = field(default_factory=list)  # device pages, in token order
     host_pages: list[int] = field(default_factory=list)  # host copy while retracted
     dropped_pages: int = 0  # leading pages freed as out of the sliding window (0 in `pages`)
-    kv_len: int = 0
+    kv_len: int = 0  # tokens of Req.token_ids whose KV is computed
+    # prefix cache: the first `shared_pages` of `pages` belong to the tree, locked through
+    # `prefix_node` until the request is released
+    shared_pages: int = 0
+    prefix_node: Node | None = None
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported as usage)
+    retractions: int = 0
+
+
+@dataclass
+class LogprobState:
+    """What a request asked for (the return flags), what was computed and how much was reported."""
+
+    on: bool = False  # return_logprob: a logprob per output token
+    top_k: int = 0  # alternatives per token (engine.logprobs.TopK) when on
+    start_len: int = -1  # first prompt position whose logprob is reported; -1: none
+    output: list[float] = field(default_factory=list)
+    output_top: list[TopK] = field(default_factory=list)  # when top_k > 0
+    # prompt positions max(start_len, 1).. (position 0 has none), computed by extend steps
+    input: list[float] = field(default_factory=list)
+    input_top: list[TopK] = field(default_factory=list)
+    input_done: bool = False  # this worker computed the prompt's logprobs (they are complete)
+    input_sent: bool = False  # report cursor of the prompt's logprobs (sent once)
+
+    @property
+    def wants_input(self) -> bool:
+        return self.on and self.start_len >= 0
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """PD: the prefill's bootstrap address and the room both workers share (all None colocated)."""
+
+    host: str | None = None
+    port: int | None = None
+    room: int | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass
+class Choice:
+    """Parallel sampling (n > 1, engine.parallel): choice `index` of the request whose rid is `group`
+    ("" for a lone request); the parent (choice 0) holds choices 1..n-1 in `forks` until its prompt
+    is computed, then they fork its KV."""
+
+    group: str = ""
+    index: int = 0
+    forks: list[Req] = field(default_factory=list)
+
+
+@dataclass
+class Req:
+    rid: str
+    token_ids: list[int]  # prompt then output (copied on construction: the request owns it)
+    sampling: SamplingParams
+    num_prompt_tokens: int = -1  # -1: every id given is the prompt
+    stream: bool = False
+    logprobs: LogprobState = field(default_factory=LogprobState)
+    kv: KVState = field(default_factory=KVState)
+    pd: Bootstrap = field(default_factory=Bootstrap)
+    choice: Choice = field(default_factory=Choice)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
     error_code: int = 0
     error_fault: str = ""  # PD role that caused the error when it was the peer, else ""
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[TopK] = field(default_factory=list)  # when top_logprobs_num > 0
-    # prompt positions max(logprob_start_len, 1).. (position 0 has none), computed by extend steps
-    input_logprobs: list[float] = field(default_factory=list)
-    input_top_logprobs: list[TopK] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
-    # prefix cache (engine.kv_manager): the first `shared_pages` of `pages` belong to the cache,
-    # locked through `prefix_node` (an engine.radix_cache.Node) until the request is released
-    shared_pages: int = 0
-    prefix_node: Any = None
-    sent_tokens: int = 0  # output tokens already reported to the frontend
-    input_logprobs_done: bool = False  # this worker computed the prompt's logprobs (they are complete)
-    input_logprobs_sent: bool = False
-    retractions: int = 0
-    # PD
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    sent_tokens: int = 0  # report cursor: output tokens already reported to the frontend
     created: float = field(default_factory=time.monotonic)
     # a migrated stream: the last `resumed_tokens` prompt ids were generated by an earlier decode;
     # sampling counts them as output (engine.sampling.generated)
     resumed_tokens: int = 0
-    # structured output: the request's grammar matcher (engine.grammar), built on its first sample
-    grammar: Any = None
-    # the service's per-request trace (service.tracing.ReqTrace) or None; opaque to the engine
-    trace: Any = None
-    # parallel sampling (n > 1, engine.parallel): choice `index` of the request whose rid is `group`
-    # ("" for a lone request); the parent (choice 0) holds choices 1..n-1 in `forks` until its prompt
-    # is computed, then they fork its KV
-    group: str = ""
-    index: int = 0
-    forks: list[Req] = field(default_factory=list)
+    grammar: Matcher | None = None  # structured output: built on the request's first sample
+    trace: Trace | None = None  # the service's spans of this request, or None (untraced)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
 
     @property
-    def fill_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0
+    def input_ids(self) -> list[int]:
+        """The prompt (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
 
     @property
     def finished(self) -> bool:
@@ -93,70 +158,19 @@ class Req:
 
     @property
     def is_retracted(self) -> bool:
-        return bool(self.host_pages)
+        return bool(self.kv.host_pages)
 
     def matches(self, rid: str = "", room: int | None = None, everything: bool = False) -> bool:
         """The abort predicate: selected by its request id (or its group's: every choice of an n > 1
         request), by its bootstrap room, or by `everything`."""
-        return everything or (bool(rid) and rid in (self.rid, self.group)) or \
-            (room is not None and self.bootstrap_room == room)
+        return everything or (bool(rid) and rid in (self.rid, self.choice.group)) or \
+            (room is not None and self.pd.room == room)
 
     def finish(self, reason: FinishReason, error: str | None = None, code: int = 0, fault: str = "") -> None:
-        """`fault`: the PD role ("prefill"/"decode") that caused an error, when it is the peer's."""
+        """Record the first finish only. `fault`: the PD role ("prefill"/"decode") that caused an
+        error, when it is the peer's."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
             self.error_code = code
             self.error_fault = fault
-
-
-class TailDecoder:
-    """Output ids -> text for stop strings, with the model's own tokenizer (loaded on first use, so a
-    worker whose requests carry no stop strings never loads it)."""
-
-    def __init__(self, model_path: str | Path) -> None:
-        self.model_path = str(model_path)
-        self._tok: Any = None
-
-    def __call__(self, ids: list[int]) -> str:
-        if self._tok is None:
-            from transformers import AutoTokenizer
-
-            self._tok = AutoTokenizer.from_pretrained(self.model_path)
-        return self._tok.decode(ids, skip_special_tokens=False)
-
-
-class StopChecker:
-    """Decides whether the last appended token ends a request."""
-
-    def __init__(self, eos_ids: tuple[int, ...], context_length: int, decode_tail=None) -> None:  # noqa: ANN001
-        self.eos_ids = set(eos_ids)
-        self.context_length = context_length
-        self.decode_tail = decode_tail  # callable(list[int]) -> str, for stop strings
-
-    def check(self, req: Req) -> None:
-        sp = req.sampling
-        tok = req.output_ids[-1]
-        if tok in sp.stop_token_ids:
-            req.matched_stop = tok
-            req.finish(FinishReason.STOP)
-            return
-        if not sp.ignore_eos and tok in self.eos_ids:
-            req.matched_stop = tok
-            req.finish(FinishReason.STOP)
-            return
-        if req.grammar is not None and req.grammar.is_terminated():  # the grammar's value is complete
-            req.finish(FinishReason.STOP)
-            return
-        if sp.stop and self.decode_tail is not None:
-            longest = max(len(s) for s in sp.stop)
-            tail = self.decode_tail(req.output_ids[-(longest + 8):])
-            for s in sp.stop:
-                if s in tail:
-                    req.matched_stop = s
-                    req.finish(FinishReason.STOP)
-                    return
-        if len(req.output_ids) >= sp.max_new_tokens:
-            req.finish(FinishReason.LENGTH)
-        elif len(req.input_ids) + len(req.output_ids) >= self.context_length:
-            req.finish(FinishReason.LENGTH)

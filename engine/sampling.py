@@ -16,11 +16,11 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from engine.grammar import Grammars, GrammarSpec, accept, mask_rows
+from engine.grammar import Grammars, GrammarSpec, Matcher, accept, mask_rows
 from engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys apart
@@ -31,18 +31,20 @@ class Sampled(Protocol):
     """What the sampler reads of a request."""
 
     rid: str
-    input_ids: list[int]
-    output_ids: list[int]
+    token_ids: list[int]  # prompt then output
+    num_prompt_tokens: int
     sampling: SamplingParams
     resumed_tokens: int  # the prompt's last N ids are output of an earlier leg (migration)
-    grammar: Any  # the grammar matcher of a structured-output request (set by the sampler), else None
+    grammar: Matcher | None  # the grammar matcher of a structured-output request (set by the sampler)
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 def generated(r: Sampled) -> list[int]:
     """Every token the request generated so far, including those an earlier decode streamed before a
     migration (the tail of its prompt now): seeded positions and the penalties count them all."""
-    n = r.resumed_tokens
-    return (r.input_ids[len(r.input_ids) - n :] + r.output_ids) if n else r.output_ids
+    return r.token_ids[r.num_prompt_tokens - r.resumed_tokens :]
 
 
 def draw_seed(sp: SamplingParams, rid: str, default_seed: int, position: int) -> int:
@@ -61,7 +63,7 @@ def process_logits(row: torch.Tensor, r: Sampled, eos_ids: Sequence[int]) -> tor
     row = row.clone()
     out = generated(r)
     if sp.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(r.token_ids)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
     if (sp.frequency_penalty or sp.presence_penalty) and out:
@@ -71,7 +73,7 @@ def process_logits(row: torch.Tensor, r: Sampled, eos_ids: Sequence[int]) -> tor
         row[ids] -= sp.frequency_penalty * n + sp.presence_penalty
     for tok, bias in sp.logit_bias:
         row[tok] += bias
-    if len(r.output_ids) < sp.min_new_tokens:  # a resumed request's min is already net of its earlier leg
+    if r.num_output_tokens < sp.min_new_tokens:  # a resumed request's min is already net of its earlier leg
         banned = [t for t in (*eos_ids, *sp.stop_token_ids) if 0 <= t < row.shape[0]]
         if banned:
             row[torch.tensor(banned, dtype=torch.long)] = float("-inf")
@@ -115,7 +117,7 @@ class Sampler:
                 accept(matchers[j], tokens[i])
         return tokens
 
-    def _matcher(self, r: Sampled) -> Any:
+    def _matcher(self, r: Sampled) -> Matcher | None:
         """The request's grammar matcher, built on its first sample past the tokens it already has."""
         spec = GrammarSpec.of(r.sampling)
         if spec is None:

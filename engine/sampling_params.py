@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from common.checks import is_int, is_num, need
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_GRAMMAR_CHARS = 1 << 16
@@ -33,16 +36,6 @@ class SamplingParams:
     ebnf: str | None = None  # an EBNF grammar (xgrammar's GBNF dialect, root rule `root`)
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
-        def is_num(x: Any) -> bool:
-            return isinstance(x, int | float) and not isinstance(x, bool)
-
-        def is_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         need(is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
              f"temperature must be a number in [0, 100], got {self.temperature!r}")
         need(is_num(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -77,6 +70,16 @@ class SamplingParams:
             v = getattr(self, k)
             need(isinstance(v, str) and 0 < len(v) <= MAX_GRAMMAR_CHARS,
                  f"{k} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+
+    def within(self, room: int) -> SamplingParams:
+        """These params with max_new_tokens and min_new_tokens capped at `room` (>= 1: the context left
+        after the prompt). Capping keeps every check true, so the copy is not validated again."""
+        if self.max_new_tokens <= room:
+            return self
+        capped = copy.copy(self)
+        object.__setattr__(capped, "max_new_tokens", room)
+        object.__setattr__(capped, "min_new_tokens", min(self.min_new_tokens, room))
+        return capped
 
     @property
     def has_processors(self) -> bool:

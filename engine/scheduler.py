@@ -8,7 +8,13 @@ Request lifecycle (colocated):
    budget by the ExtendPlanner (one chunk of at most `chunked_prefill_size` each; a partial chunk
    ends the batch), keeping a reservation for the running requests' future tokens.
 3. One forward runs the extend chunks and all running decodes together (BatchExecutor).
-4. Requests whose prompt completed join `running`; finished requests release every page.
+4. Requests whose prompt completed join `running`; finished requests release every page
+   (engine.lifecycle.finish_request) and everything to report goes to the `Outbox`, which the
+   role drains (`drain`).
+
+Roles never touch the queues: they ask `load`, `counts`, `has_retracted`, `full`,
+`queued_prefill_tokens` and `reserved_pages`, act through `add`, `join_running`, `make_room`,
+`abort` and `step`, and report what `drain` returns.
 """
 
 from __future__ import annotations
@@ -16,15 +22,19 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
-from engine.batch import BatchExecutor, ExtendItem
+from engine.batch import BatchExecutor, ExtendItem, StepResult
 from engine.config import EngineConfig
 from engine.grammar import Grammars
 from engine.kv_manager import KVManager, reservation
+from engine.lifecycle import Outbox, finish_request
 from engine.model_runner import ModelRunner
 from engine.parallel import choices
-from engine.request import FinishReason, Req, StopChecker, TailDecoder
+from engine.request import FinishReason, Req
 from engine.sampling import Sampler
+from engine.stats import SchedulerStats
+from engine.stops import StopChecker, TailDecoder
 
 
 def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = True) -> BatchExecutor:
@@ -40,7 +50,7 @@ def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = T
 def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0) -> str | None:
     """The engine's own guard (the offline LLM has no frontend): empty, too long, or never fits the
     pool when computed in chunks of `chunk` tokens (0: at once)."""
-    n = len(req.input_ids)
+    n = req.num_prompt_tokens
     if n == 0:
         return "the prompt is empty"
     if n >= context_length:
@@ -67,10 +77,10 @@ def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float,
     def rank(r: Req) -> int:
         if policy == "lpm":
             return -(prefix_len(r) if prefix_len is not None else 0)
-        return len(r.input_ids) - r.kv_len
+        return r.num_prompt_tokens - r.kv.kv_len
 
     def key(r: Req) -> tuple:
-        if r.kv_len > 0:
+        if r.kv.kv_len > 0:
             return (0, r.created, 0)
         if now - r.created >= aging_s:
             return (1, r.created, 0)
@@ -109,13 +119,13 @@ class ExtendPlanner:
             if self.reserve and r.is_retracted:
                 behind_retracted = True  # reloads first: nothing new is admitted behind it
                 continue
-            new = not r.pages and not r.host_pages  # a new admission
+            new = not r.kv.pages and not r.kv.host_pages  # a new admission
             if budget <= 0 or (new and behind_retracted) or \
                     (self.reserve and len(running) + len(items) >= cfg.max_running_requests):
                 break
             if new:
                 kv.match(r)
-            n = min(len(r.fill_ids) - r.kv_len, cfg.chunked_prefill_size, budget)
+            n = min(len(r.token_ids) - r.kv.kv_len, cfg.chunked_prefill_size, budget)
             forks = fork_need(kv, r, n) if self.reserve else 0
             own = reservation(choices(r), ratio, kv.page_size) if new else 0
             if n <= 0 or not kv.can_admit(kv.extra_pages(r, n) + forks, own, reserved,
@@ -134,26 +144,30 @@ class ExtendPlanner:
 
 def fork_need(kv: KVManager, r: Req, n: int) -> int:
     """Pages r's forks (n > 1) take once a chunk of n tokens completes its prompt (0 before)."""
-    if not r.forks or r.kv_len + n < len(r.fill_ids):
+    if not r.choice.forks or r.kv.kv_len + n < len(r.token_ids):
         return 0
-    return len(r.forks) * kv.fork_pages(len(r.input_ids))
-
-
-def dedup(reqs: list[Req]) -> list[Req]:
-    """Each request once, first occurrence kept."""
-    seen: set[str] = set()
-    return [r for r in reqs if not (r.rid in seen or seen.add(r.rid))]
+    return len(r.choice.forks) * kv.fork_pages(r.num_prompt_tokens)
 
 
 Event = Callable[[str, Req], None]
 
 
+class Counts(NamedTuple):
+    """The scheduler's queues: `waiting` (retracted ones included) and `running`."""
+
+    waiting: int
+    running: int
+    retracted: int  # waiting requests whose KV is in the host pool
+
+
 class Scheduler:
     """`on_event(name, req)`, when given, hears "running" (prompt done or joined), "retract" (KV moved
-    to the host pool) and "reload" (moved back) for each request: the services trace with it."""
+    to the host pool) and "reload" (moved back) for each request: the services trace with it.
+    `outbox`: where finished and sampled requests go (a role that ends requests of its own passes
+    its outbox, so one drain reports both); the queues `waiting` and `running` are read-only outside."""
 
     def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None,
-                 on_event: Event | None = None) -> None:
+                 on_event: Event | None = None, outbox: Outbox | None = None) -> None:
         self.on_event = on_event
         self.cfg = cfg
         self.runner = runner
@@ -162,16 +176,14 @@ class Scheduler:
         self.planner = ExtendPlanner(self.kv, cfg)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.outbox: list[Req] = []  # requests with something to report after the last step
+        self.outbox = outbox if outbox is not None else Outbox()
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        """Queue a new request (reported with a 400 at the next drain when its prompt can never run)."""
         err = validate_prompt(req, self.runner.context_length, self.kv, self.cfg.chunked_prefill_size)
         if err:
-            for r in choices(req):
-                r.finish(FinishReason.ERROR, err, 400)
-                self.outbox.append(r)
-            req.forks = []
+            finish_request(req, self.kv, self.outbox, FinishReason.ERROR, err, 400)
             return
         self.waiting.append(req)
 
@@ -185,8 +197,37 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- queries ------------------------------------------------------------------------------
+    def load(self) -> int:
+        """Requests in this scheduler: running, waiting or retracted."""
+        return len(self.waiting) + len(self.running)
+
+    def counts(self) -> Counts:
+        return Counts(len(self.waiting), len(self.running), sum(1 for r in self.waiting if r.is_retracted))
+
+    def has_retracted(self) -> bool:
+        """A retracted request waits to be reloaded (nothing new should be admitted before it)."""
+        return any(r.is_retracted for r in self.waiting)
+
+    def full(self, pending: int = 0) -> bool:
+        """The running cap (max_running_requests) is reached, counting `pending` requests the caller
+        holds for this scheduler (a PD decode's rooms still receiving KV)."""
+        return self.load() + pending >= self.cfg.max_running_requests
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute by the prompts queued here (a queued prompt not yet matched
+        against the prefix cache counts only what the cache lacks)."""
+        return sum(r.num_prompt_tokens - max(r.kv.kv_len, self.kv.prefix_len(r))
+                   for r in self.waiting if not r.is_retracted)
+
+    def drain(self) -> list[Req]:
+        """The requests with something to report since the last drain (engine.lifecycle.Outbox)."""
+        return self.outbox.drain()
+
     # ---- one step -----------------------------------------------------------------------------
-    def step(self) -> list[Req]:
+    def step(self) -> None:
+        """Schedule (reload, grow running requests, plan prompt chunks), run one forward, and
+        postprocess: prompts done join `running`, sampled and finished requests go to the outbox."""
         self._reload_retracted()
         decode = self._prepare_decode()
         order = self.waiting
@@ -195,66 +236,61 @@ class Scheduler:
                                   time.monotonic(), self.kv.prefix_len)
         extend = self.planner.plan(order, self.running)
         result = self.exec.run(extend, decode)
-        for r in decode + [it.req for it in extend]:
+        self._postprocess(result)
+
+    def _postprocess(self, result: StepResult) -> None:
+        for r in result.decoded + [it.req for it in result.extended]:
             self.kv.trim(r)  # sliding-window models: drop pages no later query reads
         for it in result.extended:
             if it.completes_prompt:
                 self.waiting.remove(it.req)
-                self.running.append(it.req)
-                if self.on_event is not None:
-                    self.on_event("running", it.req)
+                self._run(it.req)
                 self.fork(it.req)
         for r in result.sampled:
-            self.outbox.append(r)
+            self.outbox.add(r)
             if r.finished:
-                self._finish(r, r.finish_reason)  # type: ignore[arg-type]
-        out, self.outbox = dedup(self.outbox), []
-        return out
+                self._finish(r)
 
     def join_running(self, r: Req) -> None:
         """Take a request whose prompt KV is already in its pages (kv_len set) and whose first token
         is in output_ids (PD decode): finish it if that token ends it, else add it to the batch. Its
         forks (n > 1), each with its own first token in output_ids, fork its KV first."""
-        forks = list(r.forks)
+        forks = list(r.choice.forks)
         for c in (r, *forks):
             self.exec.stops.check(c)
         self.fork(r)
         for f in forks:
             if f.finished:
-                self._finish(f, f.finish_reason)  # type: ignore[arg-type]
+                self._finish(f)
         if r.finished:
-            self._finish(r, r.finish_reason)  # type: ignore[arg-type]
+            self._finish(r)
         else:
-            self.running.append(r)
-            self.outbox.append(r)
-            if self.on_event is not None:
-                self.on_event("running", r)
+            self._run(r)
 
     def fork(self, parent: Req) -> None:
         """n > 1: the parent's prompt is computed and every choice has its first token: each choice
         not already finished forks the parent's KV (KVManager.fork) and joins the batch."""
-        forks, parent.forks = parent.forks, []
+        forks, parent.choice.forks = parent.choice.forks, []
         for f in forks:
             if f.finished:
                 continue  # its first token ended it: reported (and freed, holding nothing) by the caller
             self.kv.fork(parent, f)
-            self.running.append(f)
-            self.outbox.append(f)
-            if self.on_event is not None:
-                self.on_event("running", f)
+            self._run(f)
 
-    def _finish(self, r: Req, reason: FinishReason, error: str | None = None, code: int = 0) -> None:
-        for f in r.forks:  # choices still waiting on this one's prompt end with it
-            f.finish(reason, error, code)
-            self.outbox.append(f)
-        r.forks = []
-        r.finish(reason, error, code)
-        self.kv.release(r)
+    def _run(self, r: Req) -> None:
+        """r joins the decode batch (reported: a joining request has its first token)."""
+        self.running.append(r)
+        self.outbox.add(r)
+        if self.on_event is not None:
+            self.on_event("running", r)
+
+    def _finish(self, r: Req, reason: FinishReason | None = None, error: str | None = None, code: int = 0) -> None:
+        """Take r out of the queues and end it (engine.lifecycle.finish_request; None: it finished itself)."""
         if r in self.running:
             self.running.remove(r)
         if r in self.waiting:
             self.waiting.remove(r)
-        self.outbox.append(r)
+        finish_request(r, self.kv, self.outbox, reason, error, code)
 
     def _reload_retracted(self) -> None:
         while self.waiting and self.waiting[0].is_retracted:
@@ -278,7 +314,16 @@ class Scheduler:
             self.kv.grow(r, 1)
         return list(self.running)
 
+    def make_room(self, pages: int) -> bool:
+        """Retract the newest running requests until `pages` pages are free (KVManager.free_pages);
+        returns whether they are."""
+        while pages > self.kv.free_pages and self.running:
+            self.retract(self.running[-1])
+        return pages <= self.kv.free_pages
+
     def retract(self, r: Req) -> None:
+        """Move a running request's KV to the host pool and queue it first for reload (ended with a
+        503 when the host pool is full too)."""
         self.running.remove(r)
         if self.kv.can_offload(r):
             self.kv.offload(r)
@@ -292,14 +337,12 @@ class Scheduler:
         """Pages kept back for the running requests' future tokens (kv_manager.reservation)."""
         return reservation(self.running, self.cfg.new_token_ratio, self.kv.page_size)
 
-    def stats(self) -> dict:
-        return {
-            "queues": {"waiting": len(self.waiting), "running": len(self.running),
-                       "retracted": sum(1 for r in self.waiting if r.is_retracted)},
-            "kv_used_tokens": self.kv.used_tokens,
-            "kv_total_tokens": self.kv.pool.total_tokens,
-            "host_kv_used_pages": 0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
-            "counters": {"retractions": self.kv.retractions, "reloads": self.kv.reloads,
-                         "forward_tokens": self.exec.forward_tokens, "window_freed_pages": self.kv.trimmed_pages},
-            **self.kv.cache_stats(),
-        }
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, KV levels and totals since start (engine.stats; the service wraps them)."""
+        waiting, running, retracted = self.counts()
+        return SchedulerStats(
+            waiting=waiting, running=running, retracted=retracted,
+            kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
+            host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
+            retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
+            window_freed_pages=self.kv.trimmed_pages, prefix=self.kv.cache_stats())

@@ -5,11 +5,13 @@
 1. `pdserve up --prefill P --decode D` (supervised: --restart on-failure), logs in OUT/logs.
 2. Reference batch: `--requests` greedy streams at once (completions, chat and /generate in turn,
    distinct prompts, exact length: ignore_eos), all must complete.
-3. Chaos batch: the same requests again. `--kill decode`: once a quarter of the expected tokens have
-   arrived, the decode carrying the most streams is killed mid-stream (SIGKILL to its process group).
-   `--kill prefill`: once the first token arrived (the other requests still in prefill or waiting),
-   the prefill with the most requests is killed mid-prefill. `--signal STOP` freezes it for --stop-s
-   instead, `--signal TERM` drains it (it exits 0 and stays down).
+3. Chaos batch: the same requests again, the fault fired on a condition read from the victim, never after
+   a fixed time (loadtest/chaos_trigger.py): the worker of the role with the most requests in flight by
+   its own /server_info, as soon as it has any (within --timeout, else the run reports what it waited
+   for). `--kill decode`: once a quarter of the expected tokens have also arrived, that decode is killed
+   mid-stream (SIGKILL to its process group). `--kill prefill`: that prefill is killed mid-prefill (its
+   requests in prefill, waiting or in KV transfer). `--signal STOP` freezes it for --stop-s instead,
+   `--signal TERM` drains it (it exits 0 and stays down).
 4. Checks per request: completed with the reference text (no token lost or repeated), a clean error
    (an error event), or a hang (no end within --timeout). Migrations from the router's counter; the
    killed decode must be restarted by `pdserve up`; every pool back to 0; the next batch completes.
@@ -35,6 +37,7 @@ import httpx
 from common.http import TOKEN_HEADER
 from common.procs import free_port, wait_until
 from loadtest import promtext
+from loadtest.chaos_trigger import FaultTrigger, busiest
 from loadtest.services import ALWAYS_PD
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,15 +149,32 @@ def flush_caches(workers: dict[str, str], token: str = "", timeout: float = 120.
         wait_until(lambda u=url: flushed(u), timeout, f"{name}'s prefix cache flushed", interval=0.2)
 
 
-def carrier(router: str, workers: dict[str, str], role: str) -> tuple[str, int]:
-    """The worker of `role` with the most requests in flight, and that count."""
-    rows = httpx.get(router + "/admin/workers", timeout=5).json()["workers"]
-    busy = max((w for w in rows if w["role"] == role), key=lambda w: w["outstanding_requests"])
-    return next(name for name, url in workers.items() if url == busy["url"]), busy["outstanding_requests"]
-
-
 def counter(router: str, name: str) -> float:
     return promtext.total(promtext.parse(httpx.get(router + "/metrics").text), name)
+
+
+def _chaos_batch(a: argparse.Namespace, up: _Up, router: str, workers: dict[str, str],
+                 token: str) -> tuple[list[dict], dict]:
+    """The batch again, with a.signal sent to the a.kill worker with the most requests in flight (by its own
+    /server_info), as soon as it has any; a decode only after a quarter of the expected tokens arrived.
+    Returns the results and the trigger's hit ({"node", "in_flight"} or {"error"})."""
+    candidates = {n: u for n, u in workers.items() if n.startswith(a.kill)}
+
+    def inject(name: str) -> None:
+        pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
+        # TERM goes to the service's main process only, as Kubernetes sends it: the service drains
+        (os.kill if a.signal == "TERM" else os.killpg)(pid, SIGNALS[a.signal])
+        if a.signal == "STOP":  # frozen for --stop-s, then thawed (the scenario, not a wait)
+            threading.Timer(a.stop_s, os.killpg, (pid, signal.SIGCONT)).start()
+
+    trigger = FaultTrigger(f"a {a.kill} with requests in flight (its /server_info in_flight > 0)",
+                           lambda: busiest(candidates, token), inject, a.timeout,
+                           at_tokens=a.requests * a.max_tokens // 4 if a.kill == "decode" else 0).start()
+    try:
+        res = asyncio.run(batch(router, a.requests, a.max_tokens, a.timeout, trigger.on_progress))
+    finally:
+        hit = trigger.stop()
+    return res, hit
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -172,29 +192,15 @@ def run(a: argparse.Namespace) -> dict:
         ref_s = time.monotonic() - t0
         assert all(r["status"] == "ok" for r in ref), [r for r in ref if r["status"] != "ok"]
         before = {c: counter(router, c) for c in ("pdserve_router_migrations_total", "pdserve_router_retries_total")}
-        killed: list[str] = []
-        in_flight: list[int] = []
-
-        at = a.requests * a.max_tokens // 4 if a.kill == "decode" else 1
-
-        def kill_when(tokens: int) -> None:
-            if not killed and tokens >= at:
-                name, n = carrier(router, workers, a.kill)
-                in_flight.append(n)
-                pid = int(re.search(rf"started {name} pid (\d+)", up.text()).group(1))
-                # TERM goes to the service's main process only, as Kubernetes sends it: the service drains
-                (os.kill if a.signal == "TERM" else os.killpg)(pid, SIGNALS[a.signal])
-                if a.signal == "STOP":  # frozen for --stop-s, then thawed (the scenario, not a wait)
-                    threading.Timer(a.stop_s, os.killpg, (pid, signal.SIGCONT)).start()
-                killed.append(name)
-
         flush_caches(workers, token)
         t0 = time.monotonic()
-        res = asyncio.run(batch(router, a.requests, a.max_tokens, a.timeout, kill_when))
+        res, hit = _chaos_batch(a, up, router, workers, token)
         chaos_s = time.monotonic() - t0
         after = {c: counter(router, c) - v for c, v in before.items()}
         same = sum(r["status"] == "ok" and r["text"] == ref[r["i"]]["text"] for r in res)
-        (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed}, indent=1))
+        killed = [hit["node"]] if "node" in hit else []
+        (out / "batches.json").write_text(json.dumps({"reference": ref, "chaos": res, "killed": killed, "hit": hit},
+                                                             indent=1))
         restarted = (a.signal == "KILL" and bool(killed)
                      and wait_until(lambda: f"restarted {killed[0]}" in up.text(), 120, "restart"))
         gone = set(killed) if a.signal == "TERM" else set()
@@ -209,9 +215,11 @@ def run(a: argparse.Namespace) -> dict:
                         f"({a.prefill} prefill, {a.decode} decode)", "requests": a.requests,
             "completed": sum(r["status"] == "ok" for r in res), "equal_to_unfailed": same,
             "migrated": int(after["pdserve_router_migrations_total"]),
-            "retried": int(after["pdserve_router_retries_total"]), "victim_in_flight": in_flight[:1],
+            "retried": int(after["pdserve_router_retries_total"]),
+            "victim_in_flight": [hit["in_flight"]] if killed else [],
             "clean_errors": sum(r["status"] == "error" for r in res),
             "hangs": sum(r["status"] == "hang" for r in res), "pools_after": "0", "killed": killed,
+            "fault": hit.get("error", "injected"),
             "restarted": restarted, "next_batch_ok": sum(r["status"] == "ok" for r in nxt),
             "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
             "errors": [r["error"] for r in res if r["error"]][:5],

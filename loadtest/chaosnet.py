@@ -7,8 +7,9 @@ namespace (loadtest/netns.py, loadtest/splitnode.py), KV over UCX/TCP across vet
    greedy streams at once (loadtest/chaos.py: completions, chat and /generate in turn, ignore_eos, exact
    length).
 2. Per scenario, the same batch again with one fault, on the worker of the scenario's role carrying the
-   most requests (router /admin/workers), injected when a quarter of the tokens arrived ("mid-stream") or
-   the first token arrived ("mid-prefill": the others still in prefill or KV transfer); every worker's
+   most requests by its own count (/server_info in_flight), injected as soon as it has any (never after a
+   fixed time: loadtest/chaos_trigger.py, bounded by --timeout), "mid-stream" faults once a quarter of
+   the tokens also arrived, "mid-prefill" ones at once (its requests in prefill or KV transfer); every worker's
    prefix cache is flushed first (POST /flush_cache), so the batch's prefills are computed again as in the
    reference batch, not served from the cache:
      kill-decode     kill -9 (its process group) a decode mid-stream
@@ -52,7 +53,9 @@ import httpx
 
 from common.procs import wait_until
 from engine.cpus import threads_per_worker
-from loadtest.chaos import batch, carrier, counter, flush_caches, pools_free
+from loadtest import promtext
+from loadtest.chaos import batch, counter, flush_caches, pools_free
+from loadtest.chaos_trigger import FaultTrigger, busiest
 from loadtest.netns import Netns, NetnsConfig, entered
 from loadtest.splitnode import Cluster, SplitNodeConfig
 
@@ -72,7 +75,7 @@ class Scenario:
     key: str
     role: str  # the role of the worker the fault hits
     fault: str  # kill | stop | link | term | oversubscribe
-    at: str  # "stream": a quarter of the tokens arrived; "prefill": the first token arrived; "": no trigger
+    at: str  # "stream": also a quarter of the tokens arrived; "prefill": at once; "": no fault trigger
     what: str  # table text ({stop_s}, {link_s}, {factor} filled in)
 
 
@@ -85,6 +88,18 @@ SCENARIOS = (
     Scenario("oversubscribed", "decode", "oversubscribe", "", "one decode, its KV pool {factor:.1f}x oversubscribed"),
 )
 KEYS = tuple(s.key for s in SCENARIOS)
+
+
+def retraction_counters(metrics: str) -> dict[str, int]:
+    """{"retractions", "reloads"} of a decode's /metrics page: the typed counters
+    pdserve_worker_{retractions,reloads}_total, else the older gauges pdserve_worker_counters{name=...}."""
+    samples = promtext.parse(metrics)
+    out = {}
+    for k in ("retractions", "reloads"):
+        v = promtext.total(samples, f"pdserve_worker_{k}_total")
+        out[k] = int(v if not math.isnan(v) else math.fsum(
+            x for (n, labels), x in samples.items() if n == "pdserve_worker_counters" and ("name", k) in labels))
+    return out
 
 
 class Harness:
@@ -109,6 +124,11 @@ class Harness:
 
     def info(self, node: str) -> dict:
         return httpx.get(self.workers[node] + "/server_info", timeout=10).json()["internal_states"][0]
+
+    def worker_counters(self, node: str) -> dict[str, int]:
+        """node's retractions and reloads so far, from its /metrics (the typed `_total` counters, or the
+        older pdserve_worker_counters{name=...} gauges)."""
+        return retraction_counters(httpx.get(self.workers[node] + "/metrics", timeout=10).text)
 
     def restart(self, node: str) -> None:
         """Wait for node's process to end, then start it again (the harness's restart rule); a decode
@@ -159,19 +179,19 @@ def _inject(h: Harness, sc: Scenario, node: str) -> list[threading.Timer]:
 
 
 def _faulted_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, dict]:
-    at = h.a.requests * h.a.max_tokens // 4 if sc.at == "stream" else 1
-    hit: dict = {}
+    """The batch with the scenario's fault, injected once its role's busiest worker has requests in
+    flight (by its own /server_info), mid-stream faults only after a quarter of the tokens arrived."""
+    at = h.a.requests * h.a.max_tokens // 4 if sc.at == "stream" else 0
+    candidates = {n: u for n, u in h.workers.items() if ROLES[n] == sc.role}
     timers: list[threading.Timer] = []
-
     flush_caches(h.workers, timeout=h.a.timeout)
-
-    def on_progress(tokens: int) -> None:
-        if not hit and tokens >= at:
-            node, n = carrier(h.router, h.workers, sc.role)
-            hit.update(node=node, in_flight=n)
-            timers.extend(_inject(h, sc, node))
-
-    res, secs = h.batch(h.a.max_tokens, on_progress)
+    trigger = FaultTrigger(f"a {sc.role} with requests in flight (its /server_info in_flight > 0)",
+                           lambda: busiest(candidates), lambda node: timers.extend(_inject(h, sc, node)),
+                           h.a.timeout, at_tokens=at).start()
+    try:
+        res, secs = h.batch(h.a.max_tokens, trigger.on_progress)
+    finally:
+        hit = trigger.stop()
     for t in timers:
         t.join()
     return res, secs, hit
@@ -198,17 +218,17 @@ def _oversubscribed_batch(h: Harness, sc: Scenario) -> tuple[list[dict], float, 
     others = [n for n in h.cluster.nodes("decode") if n != node]
     for n in others:
         httpx.delete(h.router + "/admin/workers", params={"url": h.workers[n]}, timeout=10).raise_for_status()
-    before = h.info(node)
+    before, pool_tokens = h.worker_counters(node), h.info(node)["kv_total_tokens"]
     try:
         res, secs = h.batch(h.a.max_tokens)
     finally:
         for n in others:
             httpx.post(h.router + "/admin/workers", json={"url": h.workers[n], "role": "decode"}, timeout=30)
-    after = h.info(node)["counters"]
+    after = h.worker_counters(node)
     ps = h.cluster.cfg.page_size
     need = sum(math.ceil((r["prompt_tokens"] + h.a.max_tokens) / ps) for r in h.reference)
-    hit = {"node": node, "in_flight": len(res), "need_pages": need, "pool_pages": before["kv_total_tokens"] // ps,
-           **{k: after[k] - before["counters"][k] for k in ("retractions", "reloads")}}
+    hit = {"node": node, "in_flight": len(res), "need_pages": need, "pool_pages": pool_tokens // ps,
+           **{k: after[k] - before[k] for k in ("retractions", "reloads")}}
     return res, secs, hit
 
 
@@ -219,7 +239,7 @@ def run_scenario(h: Harness, sc: Scenario) -> dict:
     res, secs, hit = (_oversubscribed_batch if sc.fault == "oversubscribe" else _faulted_batch)(h, sc)
     moved = {c: int(v - before[c]) for c, v in h.counters().items()}
     problems = []
-    if sc.fault == "term" and hit:
+    if sc.fault == "term" and "node" in hit:
         proc = h.cluster.procs[hit["node"]]
         wait_until(lambda: proc.poll() is not None, h.a.timeout, "the drained decode to exit", interval=0.2)
         if proc.returncode != 0:
@@ -263,7 +283,7 @@ def _problems(row: dict, sc: Scenario) -> list[str]:
     if row["hangs"]:
         out.append(f"{row['hangs']} requests hung")
     if not row["hit"].get("in_flight"):
-        out.append(f"the fault hit no request in flight: {row['hit']}")
+        out.append(f"the fault hit no request in flight: {row['hit'].get('error') or row['hit']}")
     if sc.fault == "oversubscribe" and not (row["hit"]["retractions"] and row["hit"]["reloads"]):
         out.append(f"no retraction and reload under oversubscription: {row['hit']}")
     if row["next_batch_ok"] != n:
@@ -311,7 +331,7 @@ def table(report: dict) -> str:
         if "need_pages" in r["hit"]:
             extra = (f" ({r['hit']['need_pages']} pages needed, {r['hit']['pool_pages']} in the pool; "
                      f"{r['hit']['retractions']} retractions, {r['hit']['reloads']} reloads)")
-        elif r["hit"]:
+        elif "in_flight" in r["hit"]:
             extra = f" ({r['hit']['in_flight']} requests on it)"
         lines.append(f"| {r['what']}{extra} | {r['requests']} | {r['completed']} | {r['equal_to_unfailed']} | "
                      f"{r['migrated']} | {r['retried']} | {r['clean_errors']} | {r['hangs']} | {r['pools_after']} | "

@@ -26,71 +26,109 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from common.configs import build
 from common.http import TOKEN_HEADER
 from common.logs import add_observability_args
 from common.procs import Child, free_port, http_ok, stop_all
+from engine.config import EMBEDDED_MODEL
 from engine.cpus import cpu_budget, threads_per_worker
 from pdserve.supervise import POLICIES, Supervisor
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    """`pdserve up`'s flags, built from the parsed flags by name (each field is a flag's dest; the
+    parser's defaults are these). Validation raises ValueError naming the flag."""
+
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = EMBEDDED_MODEL
+    device: str = "auto"
+    max_total_tokens: int | None = None
+    transfer_backend: str = "ucx"
+    prefill_policy: str = "least_load"
+    decode_policy: str = "least_load"
+    api_key_file: str | None = None
+    threads: int = 0
+    worker_args: str = ""
+    prefill_args: str = ""
+    decode_args: str = ""
+    otlp_endpoint: str = ""
+    log_format: str = "text"
+    startup_timeout: float = 900.0
+    grace: float = 10.0
+    restart: str = "on-failure"
+    log_dir: str | None = None
+    worker_cmd: str = f"{shlex.quote(sys.executable)} -m pdserve"
+
+    def __post_init__(self) -> None:
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("--prefill and --decode must be >= 1")
+        if self.threads < 0:
+            raise ValueError("--threads must be >= 0 (0: divide the CPUs among the workers)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    d = UpConfig()
     p = argparse.ArgumentParser(
         prog="pdserve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill services")
-    p.add_argument("--decode", type=int, default=1, help="number of decode services")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address (workers bind 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill services")
+    p.add_argument("--decode", type=int, default=d.decode, help="number of decode services")
+    p.add_argument("--host", default=d.host, help="router bind address (workers bind 127.0.0.1)")
+    p.add_argument("--port", type=int, default=d.port, help="router port")
+    p.add_argument("--model", default=d.model, help="model for every worker (see pdserve prefill --help)")
     p.add_argument(
-        "--model", default="embedded:smollm2-135m", help="model for every worker (see pdserve prefill --help)"
+        "--device", default=d.device, help="cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker"
     )
-    p.add_argument(
-        "--device", default="auto", help="cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker"
-    )
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens per worker")
-    p.add_argument("--transfer-backend", default="ucx", choices=("ucx", "fake"), help="KV transfer backend")
-    p.add_argument("--prefill-policy", default="least_load", help="router policy for prefill workers")
-    p.add_argument("--decode-policy", default="least_load", help="router policy for decode workers")
-    p.add_argument("--api-key-file", default=None, help="client API keys for the router (one per line)")
+    p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens per worker")
+    p.add_argument("--transfer-backend", default=d.transfer_backend, choices=("ucx", "fake"),
+                   help="KV transfer backend")
+    p.add_argument("--prefill-policy", default=d.prefill_policy, help="router policy for prefill workers")
+    p.add_argument("--decode-policy", default=d.decode_policy, help="router policy for decode workers")
+    p.add_argument("--api-key-file", default=d.api_key_file, help="client API keys for the router (one per line)")
     p.add_argument(
         "--threads",
         type=int,
-        default=0,
+        default=d.threads,
         help="torch CPU threads per worker (0: divide this machine's CPUs among the workers, "
         "max(1, CPUs // (prefill + decode)), CPUs from the affinity mask capped by the cgroup quota; "
         "not passed when the workers compute on a GPU)",
     )
-    p.add_argument("--worker-args", default="", help="extra flags for every worker, one shell-quoted string")
-    p.add_argument("--prefill-args", default="",
+    p.add_argument("--worker-args", default=d.worker_args, help="extra flags for every worker, one shell-quoted string")
+    p.add_argument("--prefill-args", default=d.prefill_args,
                    help="extra flags for the prefill workers only, one shell-quoted string")
     p.add_argument(
         "--decode-args",
-        default="",
+        default=d.decode_args,
         help="extra flags for the decode workers only, one shell-quoted string "
         "(e.g. '--local-prefill-threshold 0' to disaggregate every prompt)",
     )
     add_observability_args(p)  # --otlp-endpoint, --log-format: passed to the router and every worker
     p.add_argument(
-        "--startup-timeout", type=float, default=900.0, help="seconds to wait for everything to be healthy"
+        "--startup-timeout", type=float, default=d.startup_timeout, help="seconds to wait for everything to be healthy"
     )
     p.add_argument(
-        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping"
+        "--grace", type=float, default=d.grace, help="seconds between SIGTERM and SIGKILL when stopping"
     )
     p.add_argument(
         "--restart",
-        default="on-failure",
+        default=d.restart,
         choices=POLICIES,
         help="on-failure: restart a child (worker or router) that exits non-zero, with backoff 1, 2, 4 ... 30 s "
         "(reset after 60 s up), same flags and ports; never: the first exit stops everything (exit 1)",
     )
-    p.add_argument("--log-dir", default=None, help="where the children's logs go (default: a new temp dir)")
+    p.add_argument("--log-dir", default=d.log_dir, help="where the children's logs go (default: a new temp dir)")
     p.add_argument(
         "--worker-cmd",
-        default=f"{shlex.quote(sys.executable)} -m pdserve",
+        default=d.worker_cmd,
         help="command that runs a worker, followed by its role and flags (default: this python -m pdserve)",
     )
     return p
@@ -113,7 +151,7 @@ def _uses_gpu(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def worker_threads(a: argparse.Namespace, extra: list[str]) -> int | None:
+def worker_threads(a: UpConfig, extra: list[str]) -> int | None:
     """`--threads` for each worker: None when the user set it in --worker-args or the workers use a GPU."""
     if any(x == "--threads" or x.startswith("--threads=") for x in extra):
         return None
@@ -124,7 +162,7 @@ def worker_threads(a: argparse.Namespace, extra: list[str]) -> int | None:
     return threads_per_worker(a.prefill + a.decode)
 
 
-def _observability_flags(a: argparse.Namespace) -> list[str]:
+def _observability_flags(a: UpConfig) -> list[str]:
     flags = ["--log-format", a.log_format]
     return flags + ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else flags
 
@@ -135,7 +173,7 @@ def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
     return child
 
 
-def start_all(a: argparse.Namespace, log_dir: Path, token_file: Path, children: list[Child]) -> None:
+def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child]) -> None:
     """Spawn the workers, then the router, into `children` (kept in stop order: router first), so a
     signal in the middle still leaves every started child in the list."""
     base = shlex.split(a.worker_cmd)
@@ -257,12 +295,10 @@ def _on_signal(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if a.prefill < 1 or a.decode < 1:
-        print("pdserve up: --prefill and --decode must be >= 1", file=sys.stderr)
-        return 2
-    if a.threads < 0:
-        print("pdserve up: --threads must be >= 0 (0: divide the CPUs among the workers)", file=sys.stderr)
+    try:
+        a = build(UpConfig, build_parser().parse_args(argv))
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

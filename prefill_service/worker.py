@@ -23,20 +23,23 @@ A room the decode chose to prefill itself (conditional disaggregation: its Trans
 local_prefill) ends in the bootstrap queue, finished with no tokens and no error, never computed.
 
 A room that fails anywhere (timeout, abort, peer lost, incompatible KV) frees its pages at once and
-reports the transfer error's code and message.
+reports the transfer error's code and message. Every room ends in `_end` (engine.lifecycle's
+finish_request into the role's Outbox). One step: poll rooms -> schedule (plan chunks) -> run (one
+forward) -> postprocess (send each chunk's pages) -> poll inflight -> report (drain the outbox).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.batch import ExtendItem
 from engine.config import EngineConfig
 from engine.kv_manager import KVManager
+from engine.lifecycle import Outbox, finish_request
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.scheduler import ExtendPlanner, make_executor, order_waiting
@@ -44,6 +47,7 @@ from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.stats import Counters, KVStats, WorkerStats
 from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVSender, TransferError, TransferManager
 
@@ -63,17 +67,15 @@ class Room:
 class PrefillRole:
     """The prefill queues over an injected runner, KV manager and transfer manager."""
 
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
-                 slow_first_forward_s: float = 0.0) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
         self.runner, self.kv, self.mgr, self.cfg = runner, kv, mgr, cfg
-        self.slow_first_forward_s = slow_first_forward_s  # test hook: the first forward takes this long
         self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
         self.page_bytes = runner.pool.page_bytes
         self.bootstrap: list[Room] = []
         self.waiting: deque[Room] = deque()
         self.inflight: list[Room] = []
-        self.outbox: list[m.TokenOut] = []
+        self.outbox = Outbox()
         self.tstats = TransferStats()
         self.blocked = False  # the head of `waiting` needs pages that only a finished room frees
         self.declined = 0  # rooms the decode prefilled itself
@@ -84,15 +86,15 @@ class PrefillRole:
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
-            sender = self.mgr.create_sender(req.bootstrap_room, req.input_ids)
+            sender = self.mgr.create_sender(req.pd.room, req.input_ids)
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
-        start = self.kv.window_start(len(req.input_ids))  # the decode reads nothing before it
+        start = self.kv.window_start(req.num_prompt_tokens)  # the decode reads nothing before it
         self.bootstrap.append(Room(req, sender, start, start))
         if req.trace is not None:
-            req.trace.begin("bootstrap_queue", room=req.bootstrap_room, prompt_tokens=len(req.input_ids))
-        log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.bootstrap_room,
-                 len(req.input_ids))
+            req.trace.begin("bootstrap_queue", room=req.pd.room, prompt_tokens=req.num_prompt_tokens)
+        log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.pd.room,
+                 req.num_prompt_tokens)
         return []
 
     def abort(self, msg: m.AbortReq) -> None:
@@ -111,25 +113,30 @@ class PrefillRole:
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
         self._poll_rooms()
-        order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
-                              self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
-        items = self.planner.plan(order)
-        self.blocked = bool(self.waiting) and not items
+        items = self._schedule()
         if items:
             t0 = time.time_ns()
             with self.mgr.background():  # transfers, acks and heartbeats move during the forward
                 self.exec.run(items, [])
-                if self.slow_first_forward_s:
-                    time.sleep(self.slow_first_forward_s)
-                    self.slow_first_forward_s = 0.0
             _trace_chunks(items, t0, time.time_ns())
-            rooms = {id(room.req): room for room in self.waiting}
-            for it in items:
-                self._after_chunk(rooms[id(it.req)], it)
-            self.mgr.progress()
+            self._postprocess(items)
         self._poll_inflight()
-        out, self.outbox = self.outbox, []
-        return out
+        return [token_out(r) for r in self.outbox.drain()]
+
+    def _schedule(self) -> list[ExtendItem]:
+        """This step's prompt chunks, in --schedule-policy order, their pages allocated."""
+        order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
+                              self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
+        items = self.planner.plan(order)
+        self.blocked = bool(self.waiting) and not items
+        return items
+
+    def _postprocess(self, items: list[ExtendItem]) -> None:
+        """Send what each chunk completed (the whole rest plus metadata for a finished prompt)."""
+        rooms = {id(room.req): room for room in self.waiting}
+        for it in items:
+            self._after_chunk(rooms[id(it.req)], it)
+        self.mgr.progress()
 
     def _poll_rooms(self) -> None:
         for room in list(self.bootstrap):
@@ -138,7 +145,7 @@ class PrefillRole:
                 self._fail(room)
             elif room.sender.declined:  # the decode prefilled it itself (conditional disaggregation)
                 self.declined += 1
-                log.info("rid=%s room=%d: prefilled on the decode", room.req.rid, room.req.bootstrap_room)
+                log.info("rid=%s room=%d: prefilled on the decode", room.req.rid, room.req.pd.room)
                 self._end(room, FinishReason.LENGTH, None, 0)
             elif st >= KVPoll.WAITING_FOR_INPUT:
                 self.bootstrap.remove(room)
@@ -156,26 +163,26 @@ class PrefillRole:
     def _after_chunk(self, room: Room, it: ExtendItem) -> None:
         r = room.req
         if r.trace is not None:
-            r.trace.ensure("kv_transfer", room=r.bootstrap_room, page_bytes=self.page_bytes)
+            r.trace.ensure("kv_transfer", room=r.pd.room, page_bytes=self.page_bytes)
         try:
             if it.completes_prompt:
-                meta = {"room": r.bootstrap_room, "first_token": r.output_ids[0], "cached_tokens": r.cached_tokens,
-                        "prompt_tokens": len(r.input_ids)}
-                if r.output_logprobs:
-                    meta["first_logprob"] = r.output_logprobs[0]
-                if r.output_top_logprobs:  # [ids, logprobs] of the first token's alternatives
-                    meta["first_top_logprobs"] = list(r.output_top_logprobs[0])
-                if r.forks:  # n > 1: every other choice's first token, sampled from the same row
+                meta = {"room": r.pd.room, "first_token": r.token_ids[r.num_prompt_tokens],
+                        "cached_tokens": r.kv.cached_tokens, "prompt_tokens": r.num_prompt_tokens}
+                if r.logprobs.output:
+                    meta["first_logprob"] = r.logprobs.output[0]
+                if r.logprobs.output_top:  # [ids, logprobs] of the first token's alternatives
+                    meta["first_top_logprobs"] = list(r.logprobs.output_top[0])
+                if r.choice.forks:  # n > 1: every other choice's first token, sampled from the same row
                     meta.update(fork_meta(r))
-                room.sender.send(r.pages[room.sent_pages :], True, meta)
-                room.sent_pages = len(r.pages)
+                room.sender.send(r.kv.pages[room.sent_pages :], True, meta)
+                room.sent_pages = len(r.kv.pages)
                 room.t_last_sent = time.monotonic()
                 self.waiting.remove(room)
                 self.inflight.append(room)
             else:
-                full = r.kv_len // self.kv.page_size
+                full = r.kv.kv_len // self.kv.page_size
                 if full > room.sent_pages:
-                    room.sender.send(r.pages[room.sent_pages : full], False)
+                    room.sender.send(r.kv.pages[room.sent_pages : full], False)
                     room.sent_pages = full
             self.kv.trim(r)  # sliding window: only pages before room.first_page go, never a sent one
         except (ValueError, TransferError) as e:  # the room failed between poll and send
@@ -191,53 +198,48 @@ class PrefillRole:
             if st == KVPoll.SUCCESS:
                 r = room.req
                 now = time.monotonic()
-                pages = len(r.pages) - room.first_page
+                pages = len(r.kv.pages) - room.first_page
                 self.tstats.success(pages * self.page_bytes, now - room.t_ready, now - room.t_last_sent)
                 if r.trace is not None:
                     r.trace.end("kv_transfer", pages=pages, bytes=pages * self.page_bytes)
                 if r.finish_reason is None:  # prefill's part ends with the first token
                     r.finish(FinishReason.LENGTH)
-                self._end(room, r.finish_reason, None, 0)
+                self._end(room)
             elif st == KVPoll.FAILED:
                 self._fail(room)
 
     def _fail(self, room: Room) -> None:
         self.tstats.failed += 1
         message, code, fault = transfer_error(room.sender.error, "prefill")
-        log.warning("rid=%s room=%d: %s", room.req.rid, room.req.bootstrap_room, message)
+        log.warning("rid=%s room=%d: %s", room.req.rid, room.req.pd.room, message)
         self._end(room, FinishReason.ERROR, message, code, fault)
 
-    def _end(self, room: Room, reason: FinishReason, error: str | None, code: int, fault: str = "") -> None:
+    def _end(self, room: Room, reason: FinishReason | None = None, error: str | None = None, code: int = 0,
+             fault: str = "") -> None:
+        """Take the room out of its queue and end its request (reason None: it finished itself). An
+        error or abort overrides a stop its first token hit; its choices (n > 1) are the decode's to
+        report, so they are dropped with it."""
         for q in (self.bootstrap, self.waiting, self.inflight):
             if room in q:
                 q.remove(room)
-        r = room.req
-        if reason in (FinishReason.ERROR, FinishReason.ABORT):  # overrides a stop the first token hit
-            r.finish_reason, r.matched_stop = None, None
-        r.finish(reason, error, code, fault)
-        self.kv.release(r)
+        finish_request(room.req, self.kv, self.outbox, reason, error, code, fault, forks=False)
         room.sender.release()
         self.blocked = False
-        self.outbox.append(token_out(r))
 
     # ---- reporting ----------------------------------------------------------------------------
     def busy(self) -> int:
         return len(self.bootstrap) + len(self.waiting) + len(self.inflight)
 
-    def stats(self) -> dict:
-        return {
-            "queues": {"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            queues={"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
             # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens)
-            "queued_prompt_tokens": sum(len(room.req.input_ids) - room.req.kv_len
-                                        for room in (*self.bootstrap, *self.waiting)),
-            "kv_used_tokens": self.kv.used_tokens,
-            "kv_total_tokens": self.kv.pool.total_tokens,
-            "active_rooms": self.mgr.active_rooms(),
-            "counters": {"forward_tokens": self.exec.forward_tokens, "rooms_prefilled_on_decode": self.declined},
-            "transfer": self.mgr.stats(),
-            **self.tstats.info(),
-            **self.kv.cache_stats(),
-        }
+            queued_prompt_tokens=sum(room.req.num_prompt_tokens - room.req.kv.kv_len
+                                     for room in (*self.bootstrap, *self.waiting)),
+            kv=KVStats(used_tokens=self.kv.used_tokens, total_tokens=self.kv.pool.total_tokens),
+            active_rooms=self.mgr.active_rooms(),
+            counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined),
+            link=self.mgr.stats(), transfer=self.tstats.totals(), prefix=self.kv.cache_stats())
 
     def close(self) -> None:
         for room in [*self.bootstrap, *self.waiting, *self.inflight]:
@@ -247,11 +249,12 @@ class PrefillRole:
 
 def fork_meta(r: Req) -> dict:
     """The first tokens (and logprobs) of choices 1..n-1, for the decode's forks (engine.parallel)."""
-    meta: dict = {"fork_tokens": [f.output_ids[0] for f in r.forks]}
-    if r.return_logprob:
-        meta["fork_logprobs"] = [f.output_logprobs[0] for f in r.forks]
-    if r.top_logprobs_num:
-        meta["fork_top_logprobs"] = [list(f.output_top_logprobs[0]) for f in r.forks]
+    forks = r.choice.forks
+    meta: dict = {"fork_tokens": [f.token_ids[f.num_prompt_tokens] for f in forks]}
+    if r.logprobs.on:
+        meta["fork_logprobs"] = [f.logprobs.output[0] for f in forks]
+    if r.logprobs.top_k:
+        meta["fork_top_logprobs"] = [list(f.logprobs.output_top[0]) for f in forks]
     return meta
 
 
@@ -261,17 +264,17 @@ def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:
         t = it.req.trace
         if t is not None:
             t.end("waiting_queue", end_ns=t0)  # the wait ended when its first chunk's forward began
-            t.span("chunk", t0, t1, tokens=it.num_tokens, start=it.req.kv_len - it.num_tokens,
+            t.span("chunk", t0, t1, tokens=it.num_tokens, start=it.req.kv.kv_len - it.num_tokens,
                    last=it.completes_prompt, batch_requests=len(items))
 
 
-def run_prefill_worker(cfg: ServerConfig) -> None:
+def run_prefill_worker(cfg: ServerConfig, make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
+    """The prefill worker process; `make_runner` builds the model runner (tests pass a wrapper)."""
     setup_process(cfg)
-    runner = ModelRunner(cfg.engine)
+    runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
-    slow = float(os.environ.get("PDSERVE_TEST_SLOW_FIRST_FORWARD_S", "0"))  # tests only
-    role = PrefillRole(cfg.engine, runner, kv, mgr, slow_first_forward_s=slow)
+    role = PrefillRole(cfg.engine, runner, kv, mgr)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

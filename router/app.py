@@ -20,8 +20,11 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from common import api_schema
+from common.api_requests import validate
 from router.asgi import ProxyEndpoints, auth_error, parse_json
 from router.client import WorkerClient
 from router.config import RouterConfig, WorkerSpec
@@ -30,7 +33,7 @@ from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.prefix_index import PrefixIndex
-from router.protocol import BadRequest, error_body
+from router.protocol import error_body
 from router.proxy import Proxy
 from router.registry import Registry
 
@@ -114,7 +117,7 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = st
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=api_schema.errors(401, 503))
     async def models(request: Request) -> Response:
         if denied := _authorized(cfg, request):
             return denied
@@ -128,7 +131,7 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
                 return Response(r.content, status_code=200, media_type="application/json")
         return _error(503, "no healthy decode worker to list models")
 
-    @app.get("/health")
+    @app.get("/health", responses=api_schema.status_object(503, "not ready: no healthy prefill or decode worker"))
     async def health() -> Response:
         counts = {role: len(st.registry.eligible(role)) for role in ("prefill", "decode")}
         ready = all(counts.values())
@@ -141,13 +144,32 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
     async def livez() -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=api_schema.plain_text("Prometheus text format 0.0.4"))
     async def metrics() -> Response:
         return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own 404/405 in the error model; a 405's Allow lists every method of the path."""
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_methods(app, request.scope))
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers)
 
     _add_admin_routes(app, cfg, st)
     _add_api_docs(app)
     return ProxyEndpoints(app, st)
+
+
+def _methods(app: FastAPI, scope: dict) -> list[str]:
+    """The methods the app's routes take at the request's path (Starlette's 405 names only the first
+    route's)."""
+    found: list[str] = []
+    for route in app.router.routes:
+        if route.matches(scope)[0] != Match.NONE:
+            found += [m for m in sorted(getattr(route, "methods", None) or ()) if m not in found]
+    return found
 
 
 def _add_api_docs(app: FastAPI) -> None:
@@ -163,7 +185,7 @@ def _add_api_docs(app: FastAPI) -> None:
 
 
 def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
-    @app.get("/admin/workers")
+    @app.get("/admin/workers", responses=api_schema.errors(401))
     async def list_workers(request: Request) -> Response:
         if denied := _authorized(cfg, request):
             return denied
@@ -178,25 +200,21 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
             "them: give workers with --prefill/--decode, --config or Kubernetes discovery",
         )
 
-    @app.post("/admin/workers")
+    @app.post("/admin/workers", responses=api_schema.errors(400, 401, 409),
+              openapi_extra=api_schema.body_docs(api_schema.AddWorkerRequest))
     async def add_worker(request: Request) -> Response:
         if denied := _authorized(cfg, request) or _single_process():
             return denied
         try:
-            body = await _read_json(request)
-            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-                raise BadRequest("body must be an object with 'url', 'role' and optional 'bootstrap_port'")
-            port = body.get("bootstrap_port")
-            if port is not None and (not isinstance(port, int) or body.get("role") != "prefill"):
-                raise BadRequest("'bootstrap_port' must be an integer and only for role prefill")
-            spec = WorkerSpec(url=body["url"], role=str(body.get("role")), bootstrap_port=port)
-        except ValueError as e:  # BadRequest is a ValueError too
+            add = validate(api_schema.AddWorkerRequest, await _read_json(request))  # the documented body
+            spec = WorkerSpec(url=add.url, role=add.role, bootstrap_port=add.bootstrap_port)
+        except ValueError as e:  # BadRequest and RequestInvalid are ValueErrors too
             return _error(400, str(e))
         w = st.registry.add(spec, source="admin")
         await st.health.probe(w)
         return JSONResponse(w.to_json())
 
-    @app.delete("/admin/workers")
+    @app.delete("/admin/workers", responses=api_schema.errors(401, 404, 409))
     async def remove_worker(request: Request, url: str = "") -> Response:
         if denied := _authorized(cfg, request) or _single_process():
             return denied

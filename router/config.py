@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from common.checks import need
+
 POLICIES = ("round_robin", "least_load", "cache_aware")
 WORKER_ROLES = ("prefill", "decode")
 
@@ -100,10 +102,6 @@ class RouterConfig:
     processes: int = 1  # router processes sharing the port (--workers); each keeps its own state
 
     def __post_init__(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
-
         need(0 <= self.port < 65536, "--port must be in 0..65535")
         need(self.prefill_policy in POLICIES, f"--prefill-policy must be one of {POLICIES}")
         need(self.decode_policy in POLICIES, f"--decode-policy must be one of {POLICIES}")

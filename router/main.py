@@ -14,6 +14,7 @@ import os
 import sys
 
 from common import tracing
+from common.configs import build, named_values
 from common.logs import add_observability_args, setup_logging
 from common.secrets import read_secret, read_secret_lines
 from router.config import POLICIES, K8sConfig, RouterConfig, load_yaml, parse_worker_flag
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=k.bootstrap_port_annotation,
         help="pod annotation holding a prefill's bootstrap port",
     )
-    p.add_argument("--k8s-port", type=int, default=k.worker_port, help="HTTP port of the worker pods")
+    p.add_argument("--k8s-port", type=int, default=k.worker_port, dest="k8s_worker_port", metavar="K8S_PORT",
+                   help="HTTP port of the worker pods")
     p.add_argument(
         "--api-key-file",
         default=None,
@@ -112,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeout",
         type=float,
         default=None,
+        dest="request_timeout_s",
+        metavar="REQUEST_TIMEOUT",
         help=f"seconds per attempt; streams: until the first token and between events "
         f"(default {d.request_timeout_s:g})",
     )
@@ -134,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--health-interval",
         type=float,
         default=None,
+        dest="health_interval_s",
+        metavar="HEALTH_INTERVAL",
         help=f"seconds between health probes (default {d.health_interval_s:g})",
     )
     p.add_argument(
@@ -147,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-wait",
         type=float,
         default=None,
+        dest="worker_wait_s",
+        metavar="WORKER_WAIT",
         help=f"seconds a request waits for an eligible worker of a role when none is, before it gets a 503 "
         f"with Retry-After (default {d.worker_wait_s:g}; 0: answer 503 at once)",
     )
@@ -154,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
+        dest="processes",
+        metavar="WORKERS",
         help=f"router processes sharing the port (default {d.processes}); each keeps its own worker "
         "health, load counts and metrics, and /admin/workers cannot change workers when > 1",
     )
@@ -163,43 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from the parsed flags over the --config file: each field from the flag of its name
+    (common.configs; a flag left unset parses as None and keeps the file's value, else the default),
+    K8sConfig from the --k8s-* flags by name. Derived: the workers of --prefill/--decode (replacing the
+    file's), the API keys and internal token read from their files, request_log from --log-format json.
+    ValueError (naming the flag) from the configs' validation."""
     kw = load_yaml(ns.config) if ns.config else {}
     workers = [parse_worker_flag(u, "prefill") for u in ns.prefill] + [
         parse_worker_flag(u, "decode") for u in ns.decode
     ]
     if workers:
         kw["workers"] = tuple(workers)
-    flags = {
-        "prefill_policy": ns.prefill_policy,
-        "decode_policy": ns.decode_policy,
-        "request_timeout_s": ns.request_timeout,
-        "max_retries": ns.max_retries,
-        "migration_limit": ns.migration_limit,
-        "health_interval_s": ns.health_interval,
-        "health_failures": ns.health_failures,
-        "worker_wait_s": ns.worker_wait,
-        "processes": ns.workers,
-        "local_prefill_queue_tokens": ns.local_prefill_queue_tokens,
-        "cache_threshold": ns.cache_threshold,
-        "cache_tree_chars": ns.cache_tree_chars,
-        "balance_abs_threshold": ns.balance_abs_threshold,
-        "balance_rel_threshold": ns.balance_rel_threshold,
-    }
-    kw.update({key: value for key, value in flags.items() if value is not None})
     if ns.api_key_file:
         kw["api_keys"] = read_secret_lines(ns.api_key_file)
     if ns.internal_token_file:
         kw["internal_token"] = read_secret(ns.internal_token_file, "--internal-token-file")
-    k8s = K8sConfig(
-        selector=ns.k8s_selector,
-        namespace=ns.k8s_namespace,
-        api_server=ns.k8s_api_server,
-        role_label=ns.k8s_role_label,
-        bootstrap_port_annotation=ns.k8s_bootstrap_port_annotation,
-        worker_port=ns.k8s_port,
-    )
-    cfg = RouterConfig(host=ns.host, port=ns.port, k8s=k8s, log_level=ns.log_level,
-                       request_log=ns.log_format == "json", **kw)
+    k8s = build(K8sConfig, ns, prefix="k8s_")
+    cfg = RouterConfig(**(kw | named_values(RouterConfig, ns) | {"k8s": k8s, "request_log": ns.log_format == "json"}))
     if not cfg.workers and not k8s.enabled:
         logging.getLogger("router").warning("no workers given: add them with POST /admin/workers")
     return cfg

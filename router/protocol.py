@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.checks import is_int, need
 from common.http import (
     PREFILL_HERE_KEY,
     error_body,  # noqa: F401 (the router's modules import it from here)
@@ -56,13 +57,12 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise BadRequest(msg)
+def _need(ok: bool, msg: str) -> None:  # common.checks.need, raising the router's 400
+    need(ok, msg, BadRequest)
 
 
 def _is_id_list(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+    return isinstance(x, list) and bool(x) and all(is_int(i) for i in x)
 
 
 def _prompt_of(endpoint: str, body: dict) -> str | list[int]:
@@ -94,7 +94,7 @@ def _prompt_of(endpoint: str, body: dict) -> str | list[int]:
 
 def _max_new_tokens(endpoint: str, body: dict) -> int:
     if endpoint == "/generate":
-        sp = body.get("sampling_params", {})
+        sp = body.get("sampling_params") or {}  # null: none given
         _need(isinstance(sp, dict), "'sampling_params' must be an object")
         value = sp.get("max_new_tokens")
         name = "sampling_params.max_new_tokens"
@@ -104,7 +104,7 @@ def _max_new_tokens(endpoint: str, body: dict) -> int:
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
     _need(
-        isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+        is_int(value) and value >= 0,
         f"'{name}' must be a non-negative integer",
     )
     return value
@@ -113,7 +113,8 @@ def _max_new_tokens(endpoint: str, body: dict) -> int:
 def parse_request(endpoint: str, body: Any) -> ProxyRequest:
     """Validate what the router needs and build the ProxyRequest (BadRequest on client errors)."""
     _need(isinstance(body, dict), "request body must be a JSON object")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null: not given, as the document allows
     _need(isinstance(stream, bool), "'stream' must be true or false")
     prompt = _prompt_of(endpoint, body)
     prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
@@ -142,7 +143,7 @@ def _choices(endpoint: str, body: dict) -> int:
     migrated); the services validate it (a bad n is their 400, relayed)."""
     where = body.get("sampling_params") if endpoint == "/generate" else body
     n = where.get("n") if isinstance(where, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return n if is_int(n) and n > 1 else 1
 
 
 def merge_input_logprobs(endpoint: str, prefill: dict, decode: Any) -> Any:

@@ -28,7 +28,7 @@ class WorkerBridge:
     def __init__(self, ends: Endpoints) -> None:
         self.io = FrontendChannels(ends)
         self.streams: dict[str, asyncio.Queue[TokenOut]] = {}
-        self.stats_waiters: dict[int, asyncio.Future[Any]] = {}  # StatsOut info dicts, FlushCacheOuts
+        self.stats_waiters: dict[int, asyncio.Future[Any]] = {}  # StatsOuts, FlushCacheOuts
         self.tokens = itertools.count(1)
         self.ready = asyncio.Event()
         self.info: dict[str, Any] = {}
@@ -57,7 +57,7 @@ class WorkerBridge:
                 else:
                     fut = self.stats_waiters.pop(msg.token, None)
                     if fut is not None and not fut.done():
-                        fut.set_result(dict(msg.info))
+                        fut.set_result(msg)
             elif isinstance(msg, FlushCacheOut):
                 fut = self.stats_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
@@ -82,12 +82,12 @@ class WorkerBridge:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        """Ask the worker for its counters; None when it does not answer in time."""
+    async def stats(self, timeout: float = 2.0) -> StatsOut | None:
+        """Ask the worker for its stats; None when it is not running or does not answer in time."""
         if not self.usable:
             return None
         token = next(self.tokens)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[StatsOut] = asyncio.get_running_loop().create_future()
         self.stats_waiters[token] = fut
         try:
             await self.send(StatsReq(token=token))

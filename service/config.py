@@ -1,10 +1,11 @@
 """Frozen configuration of one service, built once in `main` from CLI flags and passed explicitly.
 
-PDConfig      prefill/decode transfer settings
+PDConfig      prefill/decode transfer settings (`transfer_config(role)`: the transfer layer's config)
 ServerConfig  one service process group: HTTP address, role, PD transfer settings, EngineConfig,
               and the ipc endpoints of its frontend<->worker channels (`endpoints`)
 
-Validation raises ValueError with a message naming the flag.
+Each is built from the parsed flags by name (`server_config_from_args`, common.configs: a flag's dest is
+its field's name). Validation raises ValueError with a message naming the flag.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from common.configs import build
 from common.logs import add_observability_args
 from common.secrets import read_secret
 from common.tracing import traces_url
 from engine.config import CPU_DEFAULT_TOKENS, EMBEDDED_MODEL, EngineConfig
 from service.channels import Endpoints
+from transfer.config import TransferConfig
 
 ROLES = ("colocated", "prefill", "decode")
 
@@ -54,6 +57,12 @@ class PDConfig:
             raise ValueError("--local-prefill-max-queued must be >= 0")
         if self.local_prefill_max_running < 0:
             raise ValueError("--local-prefill-max-running must be >= 0 (0: no bound)")
+
+    def transfer_config(self, role: str) -> TransferConfig:
+        """The transfer layer's config of a `role` worker: the fields both configs name alike, by name; the
+        backend from --transfer-backend; an empty advertise_host (a config built without flags) as 127.0.0.1."""
+        return build(TransferConfig, self, role=role, backend=self.transfer_backend,
+                     advertise_host=self.advertise_host or "127.0.0.1")
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,8 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                        help=f"order of waiting prompts (default {default}): sjf computes the shortest prompt first, "
                             "so short prompts do not queue behind long ones; lpm the longest cached prefix first "
                             "(prefix cache hits run while their prefix is still cached); fcfs keeps arrival order")
-        g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s,
+        g.add_argument("--schedule-aging", type=float, default=d.schedule_aging_s, dest="schedule_aging_s",
+                       metavar="SCHEDULE_AGING",
                        help="sjf/lpm: a prompt that has waited this many seconds goes ahead of the policy's order "
                             "(bounds how long a prompt can be passed over)")
     g.add_argument("--disable-prefix-cache", action="store_true",
@@ -152,14 +162,17 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="address peers use to reach this node (default: --host, or 127.0.0.1 for 0.0.0.0)")
         t.add_argument("--transfer-backend", default="ucx", choices=("ucx", "fake"),
                        help="KV transfer backend (fake moves no bytes: tests only)")
-        t.add_argument("--bootstrap-timeout", type=float, default=dp.bootstrap_timeout_s,
+        t.add_argument("--bootstrap-timeout", type=float, default=dp.bootstrap_timeout_s, dest="bootstrap_timeout_s",
+                       metavar="BOOTSTRAP_TIMEOUT",
                        help="seconds a prefill waits for the decode's TransferInfo")
-        t.add_argument("--waiting-timeout", type=float, default=dp.waiting_timeout_s,
+        t.add_argument("--waiting-timeout", type=float, default=dp.waiting_timeout_s, dest="waiting_timeout_s",
+                       metavar="WAITING_TIMEOUT",
                        help="seconds a decode waits for a room's KV to arrive")
         t.add_argument("--heartbeat-interval", type=float, default=dp.heartbeat_interval_s,
+                       dest="heartbeat_interval_s", metavar="HEARTBEAT_INTERVAL",
                        help="seconds between transfer heartbeats; 3 missed fail the peer's rooms")
         t.add_argument("--transfer-progress-thread", action=argparse.BooleanOptionalAction,
-                       default=dp.progress_thread,
+                       default=dp.progress_thread, dest="progress_thread",
                        help="move KV bytes, acks and heartbeats on a thread while a forward runs (default on; "
                             "off: they move only between engine steps, so a long forward delays transfers "
                             "and can miss heartbeats)")
@@ -200,39 +213,21 @@ def resolve_device(device: str) -> str:
 
 
 def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
+    """The service's config from its parsed flags (add_server_args): every field from the flag of its name
+    (common.configs.build; the other role's flags are absent, so those fields keep their defaults).
+    Derived: device and dtype `auto` resolved, the KV pool's default by device, the prefix cache (on
+    unless --disable-prefix-cache), the advertised host (--advertise-host, else --host, else
+    127.0.0.1 for a wildcard), the tokens read from their files, the ipc dir from PDSERVE_IPC_DIR.
+    ValueError (naming the flag) from each config's validation."""
     device = resolve_device(ns.device)
-    dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    d_tokens = EngineConfig.max_total_tokens
-    d_policy, d_aging = EngineConfig.schedule_policy, EngineConfig.schedule_aging_s
-    eng = EngineConfig(
-        model=ns.model, device=device, dtype=dtype, page_size=ns.page_size,
-        max_total_tokens=ns.max_total_tokens or (CPU_DEFAULT_TOKENS if device == "cpu" else d_tokens),
-        host_kv_tokens=ns.host_kv_tokens,
-        chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
-        max_running_requests=ns.max_running_requests, context_length=ns.context_length,
-        attention_backend=ns.attention_backend, cpu_gemm=ns.cpu_gemm, new_token_ratio=ns.new_token_ratio,
-        seed=ns.seed, threads=ns.threads,
-        schedule_policy=getattr(ns, "schedule_policy", d_policy),
-        schedule_aging_s=getattr(ns, "schedule_aging", d_aging),
-        prefix_cache=role in ("prefill", "decode", "colocated") and not getattr(ns, "disable_prefix_cache", False),
-    )
+    default_tokens = CPU_DEFAULT_TOKENS if device == "cpu" else EngineConfig.max_total_tokens
+    eng = build(EngineConfig, ns, device=device,
+                dtype=ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32"),
+                max_total_tokens=ns.max_total_tokens or default_tokens,
+                prefix_cache=not getattr(ns, "disable_prefix_cache", False))
     pd = PDConfig()
     if role in ("prefill", "decode"):
         adv = ns.advertise_host or (ns.host if ns.host not in ("0.0.0.0", "::") else "127.0.0.1")
-        pd = PDConfig(
-            bootstrap_port=getattr(ns, "bootstrap_port", pd.bootstrap_port), advertise_host=adv,
-            transfer_backend=ns.transfer_backend, bootstrap_timeout_s=ns.bootstrap_timeout,
-            waiting_timeout_s=ns.waiting_timeout, heartbeat_interval_s=ns.heartbeat_interval,
-            cluster_token=read_secret(ns.cluster_token_file), progress_thread=ns.transfer_progress_thread,
-            local_prefill_threshold=getattr(ns, "local_prefill_threshold", pd.local_prefill_threshold),
-            local_prefill_budget=getattr(ns, "local_prefill_budget", pd.local_prefill_budget),
-            local_prefill_max_queued=getattr(ns, "local_prefill_max_queued", pd.local_prefill_max_queued),
-            local_prefill_max_running=getattr(ns, "local_prefill_max_running", pd.local_prefill_max_running),
-        )
-    return ServerConfig(
-        role=role, host=ns.host, port=ns.port, engine=eng, pd=pd,
-        internal_token=read_secret(ns.internal_token_file),
-        served_model_name=ns.served_model_name, log_level=ns.log_level,
-        otlp_endpoint=ns.otlp_endpoint, log_format=ns.log_format,
-        ipc_dir=os.environ.get("PDSERVE_IPC_DIR", ""),
-    )
+        pd = build(PDConfig, ns, advertise_host=adv, cluster_token=read_secret(ns.cluster_token_file))
+    return build(ServerConfig, ns, role=role, engine=eng, pd=pd, internal_token=read_secret(ns.internal_token_file),
+                 ipc_dir=os.environ.get("PDSERVE_IPC_DIR", ""))

@@ -1,7 +1,9 @@
 """The HTTP side of every service (prefill, decode, colocated): one FastAPI app.
 
 Request path:
-  1. (internal token check) -> JSON body -> `service.protocol.parse_*` (400 on any bad field)
+  1. (internal token check) -> JSON body -> `service.protocol.parse_*` (400 on any bad field) on the
+     parse thread (`FrontendState.parse_pool`): the event loop never tokenizes, renders a template
+     or compiles a grammar; one thread keeps requests in arrival order
   2. GenerateReq -> worker over zmq (`service.launch.WorkerBridge`); the rid's queue collects TokenOuts
   3. TokenOuts -> `service.responses.RequestTracker` (incremental detokenizer, stop trimming), one per
      choice (n > 1: by TokenOut.index; a failed choice fails the request and aborts the others)
@@ -20,15 +22,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import api_schema, tracing
+from common.api_requests import AbortRequest
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
 from engine.grammar import Grammars
@@ -46,11 +50,15 @@ from service.protocol import (
     parse_json_body,
 )
 from service.responses import DONE, RequestTracker, choices_body, sse, stream_chunks, usage_chunk
+from service.stats import internal_state
+from service.tokenizer import PromptTooLong
 
 log = logging.getLogger("pdserve.frontend")
 
 MAX_BODY_BYTES = 32 << 20
+PARSE_THREADS = 1
 OPEN_PATHS = ("/health", "/metrics")  # probes and Prometheus scrapes carry no token
+Parser = Callable[[dict[str, Any], Any, Limits], ParsedRequest]  # body, tokenizer, limits
 
 
 @dataclass
@@ -65,6 +73,10 @@ class FrontendState:
     metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
     started: float = field(default_factory=time.time)
     grammars: Grammars | None = None  # structured-output grammars are compiled at parse time (built on ready)
+    # JSON, tokenization, chat templates and grammar compiles run here, never on the event loop; one
+    # thread keeps requests reaching the worker in arrival order (the tokenizer releases the GIL)
+    parse_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="pdserve-parse"))
 
     def served_name(self) -> str:
         if self.config.served_model_name:
@@ -88,6 +100,25 @@ class FrontendState:
             self.warm_grammars(vocab)
         return Limits(role=self.config.role, context_length=ctx, vocab_size=vocab,
                       model_name=self.served_name(), grammars=self.grammars)
+
+    async def parse(self, parse: Parser, raw: bytes) -> ParsedRequest:
+        """`parse` of the body `raw`, run on `parse_pool` so the loop keeps relaying other requests'
+        tokens meanwhile; RequestError (400) as `parse` raises it, also for a prompt whose characters
+        alone prove it cannot fit the context (refused before it is tokenized)."""
+        limits = self.limits()
+        tok = self.tokenizer
+        if hasattr(tok, "bounded"):  # test doubles may lack it
+            tok = tok.bounded(limits.context_length - 1)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.parse_pool, _parse_body, parse, raw, tok, limits)
+
+
+def _parse_body(parse: Parser, raw: bytes, tok: Any, limits: Limits) -> ParsedRequest:
+    """The CPU part of a request (on the parse pool): JSON, tokenization, template, grammar compile."""
+    try:
+        return parse(parse_json_body(raw), tok, limits)
+    except PromptTooLong as e:
+        raise RequestError(str(e)) from e
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -245,9 +276,6 @@ class _SSEResponse(StreamingResponse):
             self.on_end()
 
 
-Parser = Callable[[dict[str, Any], Any, Limits], ParsedRequest]
-
-
 async def _generate(state: FrontendState, request: Request, parse: Parser, endpoint: str) -> Response:
     t0 = time.perf_counter()
     if state.draining:
@@ -260,7 +288,9 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
     if len(raw) > MAX_BODY_BYTES:
         return _error(f"request body over {MAX_BODY_BYTES} bytes", 413)
     try:
-        parsed = parse(parse_json_body(raw), state.tokenizer, state.limits())
+        parsed = await state.parse(parse, raw)
+        if state.draining:  # SIGTERM came while the request was parsed off the loop
+            return _error("the service is shutting down", 503)
         queue = state.bridge.open(parsed.req.rid)
     except RequestError as e:
         state.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
@@ -305,7 +335,8 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
             "model_path": state.model_dir, "context_length": lim.context_length,
             "worker_pid": state.worker_pid, "worker_alive": state.bridge.alive,
             "ready": state.bridge.ready.is_set(), "draining": state.draining, "in_flight": state.in_flight,
-            "uptime_s": round(time.time() - state.started, 3), "internal_states": [stats] if stats else [],
+            "uptime_s": round(time.time() - state.started, 3),
+            "internal_states": [internal_state(stats.info, stats.stats)] if stats else [],
         })
 
     def model_info() -> JSONResponse:
@@ -324,17 +355,18 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
         text = state.metrics.render(state.in_flight, state.bridge.usable, state.draining, stats)
         return Response(text, media_type=CONTENT_TYPE)
 
-    app.get("/health")(health)
+    app.get("/health", responses=api_schema.status_object(503, "starting, draining or the worker is dead"))(health)
     for path, fn in (("/server_info", server_info), ("/get_server_info", server_info),
-                     ("/model_info", model_info), ("/get_model_info", model_info),
-                     ("/v1/models", models), ("/metrics", metrics)):
-        app.get(path)(fn)
+                     ("/model_info", model_info), ("/get_model_info", model_info), ("/v1/models", models)):
+        app.get(path, responses=api_schema.errors(401))(fn)
+    app.get("/metrics", response_class=PlainTextResponse, responses=api_schema.plain_text(
+        "Prometheus text format 0.0.4") | api_schema.errors(401))(metrics)
 
 
 def create_app(state: FrontendState) -> Any:
     """The FastAPI app of one service (wrapped in the token middleware when a token is set)."""
     app = FastAPI(title=f"pdserve {state.config.role}", redoc_url=None)
-    api_schema.install(app)  # /openapi.json and /docs declare the bodies; protocol.py still parses them
+    api_schema.install(app)  # /openapi.json and /docs show the models protocol.py parses the bodies with
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -373,8 +405,9 @@ def create_app(state: FrontendState) -> Any:
 
     for path, fn in (("/generate", generate), ("/v1/completions", completions), ("/v1/chat/completions", chat)):
         app.post(path, **api_schema.route_docs(path))(fn)
-    app.post("/abort_request")(abort_request)
-    app.post("/flush_cache")(flush_cache)
+    app.post("/abort_request", responses=api_schema.errors(400, 401, 503),
+             openapi_extra=api_schema.body_docs(AbortRequest))(abort_request)
+    app.post("/flush_cache", responses=api_schema.errors(401, 409, 503))(flush_cache)
     _info_routes(app, state)
     if state.config.internal_token:
         return TokenAuth(app, state.config.internal_token)

@@ -19,6 +19,7 @@ from typing import Any
 
 from common.codec import Codec
 from engine.sampling_params import SamplingParams
+from service.stats import STATS_PARTS, WorkerStats
 
 VERSION = 1
 
@@ -129,12 +130,17 @@ class TokenBatch:
 
 @dataclass
 class StatsOut:
+    """The worker's answer to a StatsReq (token = its token), or its ready signal (token = -1,
+    stats None). `info` is the worker's static description (role, model_path, context_length, ...:
+    strings and sizes that do not change while it runs); `stats` its typed numbers (service.stats)."""
+
     token: int
     info: dict[str, Any]
-    version: int = VERSION
+    stats: WorkerStats | None = None
+    version: int = 2  # 2: typed stats (1: one untyped info dict)
 
 
 CODEC = Codec("service message", GenerateReq, AbortReq, StatsReq, FlushCacheReq, TokenOut, TokenBatch, StatsOut,
-              FlushCacheOut)
+              FlushCacheOut, *STATS_PARTS)
 encode = CODEC.encode
 decode = CODEC.decode

@@ -1,26 +1,30 @@
 """Prometheus metrics of one service frontend (prometheus_client, common.metrics).
 
 The frontend owns `FrontendMetrics`: request counters, token counters, TTFT / inter-token / e2e
-latency histograms, in-flight gauges. The worker's numbers arrive as a nested dict (StatsOut.info)
-and are exposed by `WorkerStatsCollector` as gauges `pdserve_worker_<name>`:
+latency histograms, in-flight gauges. The worker's numbers arrive typed (StatsOut.stats, a
+service.stats.WorkerStats) and `WORKER_METRICS` declares each metric once, with its type: a level
+is a gauge, a total is a `_total` counter, a latency a histogram. A field the worker's role does
+not have (None) is not rendered. Names keep their historical form, e.g.
 
-    {"kv_used_tokens": 12}                 -> pdserve_worker_kv_used_tokens 12
-    {"queues": {"waiting": 3}}             -> pdserve_worker_queues{name="waiting"} 3
-    {"counters": {"retractions": 1}}       -> pdserve_worker_counters{name="retractions"} 1
-    {"histograms": {"x": {"le": [..], "counts": [..], "sum": s, "count": n}}}
-                                           -> histogram pdserve_worker_x (counts cumulative per le)
+    WorkerStats.kv.used_tokens            -> gauge   pdserve_worker_kv_used_tokens
+    WorkerStats.queues["waiting"]         -> gauge   pdserve_worker_queues{name="waiting"}
+    WorkerStats.counters.retractions      -> counter pdserve_worker_retractions_total
+    WorkerStats.transfer.seconds          -> histogram pdserve_worker_transfer_seconds
 
-Non-numeric leaves (strings, lists, booleans) are skipped.
+The numeric sizes of the worker's static description (StatsOut.info: `INFO_GAUGES`, e.g.
+max_total_tokens) are gauges too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import Gauge
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from common.checks import is_num
 from common.metrics import (
     CONTENT_TYPE,
     ITL_BUCKETS,
@@ -28,60 +32,132 @@ from common.metrics import (
     CollectorRegistry,
     Histogram,
     LabeledCounter,
-    is_num,
-    metric_name,
     render,
 )
+from service.messages import StatsOut
+from service.stats import Counters, Histo, WorkerStats
 
-__all__ = ["CONTENT_TYPE", "FrontendMetrics", "WorkerStatsCollector", "render_worker_info"]
+__all__ = ["CONTENT_TYPE", "INFO_GAUGES", "WORKER_METRICS", "FrontendMetrics", "WorkerMetric",
+           "WorkerStatsCollector", "render_worker_stats"]
+
+PREFIX = "pdserve_worker_"
+# numbers of the worker's static description exported as gauges pdserve_worker_<key>
+INFO_GAUGES = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "context_length", "page_size",
+               "max_total_tokens", "host_kv_tokens", "kv_bytes_per_token", "bootstrap_port")
+
+Value = float | dict[str, float] | Histo | None
+
+
+@dataclass(frozen=True)
+class WorkerMetric:
+    """One worker metric: its full name (a counter's ends in `_total`), type, help, and how to read
+    it from the stats. `read` gives a number, a {label value: number} map (label `name`), a Histo,
+    or None (this role has none: nothing rendered)."""
+
+    name: str
+    kind: str  # "gauge" | "counter" | "histogram"
+    help: str
+    read: Callable[[WorkerStats], Value]
+
+    def families(self, s: WorkerStats) -> Iterator[Metric]:
+        v = self.read(s)
+        if v is None:
+            return
+        if isinstance(v, Histo):
+            buckets = [(repr(float(le)), c) for le, c in zip(v.le, v.counts)]
+            yield HistogramMetricFamily(self.name, self.help, buckets=[*buckets, ("+Inf", v.count)],
+                                        sum_value=v.sum)
+            return
+        family = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        if isinstance(v, dict):
+            fam = family(self.name, self.help, labels=["name"])
+            for k, x in sorted(v.items()):
+                fam.add_metric([k], x)
+            yield fam
+        else:
+            yield family(self.name, self.help, value=v)
+
+
+def _gauge(name: str, help_: str, read: Callable[[WorkerStats], Value]) -> WorkerMetric:
+    return WorkerMetric(PREFIX + name, "gauge", help_, read)
+
+
+def _counter(name: str, help_: str, read: Callable[[WorkerStats], Value]) -> WorkerMetric:
+    assert name.endswith("_total"), name
+    return WorkerMetric(PREFIX + name, "counter", help_, read)
+
+
+def _counter_field(name: str) -> WorkerMetric:
+    return _counter(f"{name}_total", f"worker {name.replace('_', ' ')} since start",
+                    lambda s: getattr(s.counters, name))
+
+
+def _link(read: Callable[[Any], Value]) -> Callable[[WorkerStats], Value]:
+    return lambda s: None if s.link is None else read(s.link)
+
+
+def _xfer(read: Callable[[Any], Value]) -> Callable[[WorkerStats], Value]:
+    return lambda s: None if s.transfer is None else read(s.transfer)
+
+
+WORKER_METRICS: tuple[WorkerMetric, ...] = (
+    _gauge("queues", "requests in each worker queue", lambda s: s.queues),
+    _gauge("kv_used_tokens", "KV pool tokens in use", lambda s: s.kv.used_tokens),
+    _gauge("kv_total_tokens", "KV pool size in tokens", lambda s: s.kv.total_tokens),
+    _gauge("host_kv_used_pages", "host (offload) KV pool pages in use", lambda s: s.kv.host_used_pages),
+    _gauge("kv_usage", "decode: share of the KV pool in use (0..1), an autoscaling signal", lambda s: s.kv.usage),
+    _gauge("queued_prompt_tokens", "prefill: prompt tokens still to prefill, an autoscaling signal",
+           lambda s: s.queued_prompt_tokens),
+    _gauge("running_requests", "decode: requests in the decode batch, an autoscaling signal",
+           lambda s: s.running_requests),
+    _gauge("active_rooms", "KV transfer rooms created and not yet released", lambda s: s.active_rooms),
+    _gauge("prefix_cached_tokens", "tokens held by the prefix cache", lambda s: s.prefix.cached_tokens),
+    _counter("prefix_hit_tokens_total", "prompt tokens served from the prefix cache", lambda s: s.prefix.hit_tokens),
+    _counter("prefix_evicted_tokens_total", "tokens evicted from the prefix cache",
+             lambda s: s.prefix.evicted_tokens),
+    *(_counter_field(f.name) for f in fields(Counters)),
+    _gauge("time", "the worker's clock at its last stats answer (unix seconds)", lambda s: s.time),
+    _gauge("transfer", "KV transfer link levels by name", _link(lambda k: k.levels())),
+    _counter("transfer_background_passes_total", "progress-thread passes during forwards",
+             _link(lambda k: k.background_passes)),
+    _counter("transfer_prefix_refusals_total", "prefill: decode prefix offers refused",
+             _link(lambda k: k.prefix_refusals)),
+    _counter("transfer_control_dropped_total", "control messages dropped, by reason",
+             _link(lambda k: k.control_dropped)),
+    _counter("transfer_bytes_total", "KV bytes transferred", _xfer(lambda t: t.bytes)),
+    _counter("transfer_bytes_reused_total", "decode: KV bytes not transferred, its prefix cache held them",
+             _xfer(lambda t: t.reused_bytes)),
+    _counter("transfer_rooms_total", "KV transfer rooms ended, by outcome (succeeded, failed)",
+             _xfer(lambda t: {"succeeded": t.rooms_succeeded, "failed": t.rooms_failed})),
+    WorkerMetric(PREFIX + "transfer_seconds", "histogram", "room ready to transfer done", _xfer(lambda t: t.seconds)),
+    WorkerMetric(PREFIX + "transfer_tail_seconds", "histogram", "prefill: last chunk sent to the decode's SUCCESS",
+                 _xfer(lambda t: t.tail_seconds)),
+)
 
 
 class WorkerStatsCollector:
-    """A custom collector: every number in a worker stats dict, read when scraped."""
+    """A custom collector: the worker's latest StatsOut, read when scraped (None: nothing)."""
 
-    def __init__(self, info: dict[str, Any] | None = None, prefix: str = "pdserve_worker") -> None:
-        self.info = info or {}
-        self.prefix = prefix
+    def __init__(self, out: StatsOut | None = None) -> None:
+        self.out = out
 
     def collect(self) -> Iterator[Metric]:
-        yield from _families(self.info, self.prefix)
+        out = self.out
+        if out is None:
+            return
+        for key in INFO_GAUGES:
+            v = out.info.get(key)
+            if is_num(v):
+                yield GaugeMetricFamily(PREFIX + key, f"worker {key.replace('_', ' ')}", value=v)
+        if out.stats is not None:
+            for metric in WORKER_METRICS:
+                yield from metric.families(out.stats)
 
 
-def _families(info: dict[str, Any], prefix: str) -> Iterator[Metric]:
-    for key, val in sorted(info.items()):
-        name = metric_name(prefix, str(key))
-        if key == "histograms" and isinstance(val, dict):
-            for hname, h in sorted(val.items()):
-                if isinstance(h, dict):
-                    yield from _histogram(metric_name(prefix, str(hname)), h)
-        elif is_num(val):
-            yield GaugeMetricFamily(name, f"worker {key}", value=val)
-        elif isinstance(val, dict):
-            leaves = {str(k): v for k, v in val.items() if is_num(v)}
-            if leaves:
-                g = GaugeMetricFamily(name, f"worker {key} by name", labels=["name"])
-                for k, v in sorted(leaves.items()):
-                    g.add_metric([k], v)
-                yield g
-            nested = {str(k): v for k, v in val.items() if isinstance(v, dict)}
-            if nested:
-                yield from _families(nested, name)
-
-
-def _histogram(name: str, h: dict[str, Any]) -> Iterator[Metric]:
-    les, counts = h.get("le"), h.get("counts")
-    if not isinstance(les, list) or not isinstance(counts, list) or len(les) != len(counts):
-        return
-    total = h.get("count", counts[-1] if counts else 0)
-    buckets = [(repr(float(le)), c) for le, c in zip(les, counts) if is_num(le) and is_num(c)]
-    yield HistogramMetricFamily(name, f"worker {name}", buckets=[*buckets, ("+Inf", total)],
-                                sum_value=h.get("sum", 0.0))
-
-
-def render_worker_info(info: dict[str, Any], prefix: str = "pdserve_worker") -> list[str]:
-    """The worker stats dict in the text format, as lines (the collector alone in a registry)."""
+def render_worker_stats(out: StatsOut) -> list[str]:
+    """The worker's metrics in the text format, as lines (the collector alone in a registry)."""
     registry = CollectorRegistry()
-    registry.register(WorkerStatsCollector(info, prefix))
+    registry.register(WorkerStatsCollector(out))
     return render(registry).splitlines()
 
 
@@ -105,10 +181,10 @@ class FrontendMetrics:
         self.worker = WorkerStatsCollector()
         r.register(self.worker)
 
-    def render(self, running: int, worker_up: bool, draining: bool, worker: dict[str, Any] | None = None) -> str:
+    def render(self, running: int, worker_up: bool, draining: bool, worker: StatsOut | None = None) -> str:
         """The text exposition; `worker` is the worker's latest stats (None: not rendered)."""
         self.running.set(running)
         self.worker_up.set(int(worker_up))
         self.draining.set(int(draining))
-        self.worker.info = worker or {}
+        self.worker.out = worker
         return render(self.registry)

@@ -6,14 +6,15 @@ Services never import each other; both import this.
 
 from __future__ import annotations
 
-from common.metrics import Histogram, snapshot
+from common.metrics import Histogram
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import Req
 from service import messages as m
 from service.config import ServerConfig
+from service.stats import Histo, TransferTotals
 from service.worker import error_out, req_from_msg
-from transfer import CompatInfo, TransferConfig, TransferError, TransferManager
+from transfer import CompatInfo, TransferError, TransferManager
 
 KV_LAYOUT = "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
 TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -28,14 +29,8 @@ def compat_info(runner: ModelRunner) -> CompatInfo:
 
 
 def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> TransferManager:
-    pd = cfg.pd
-    tc = TransferConfig(
-        role=role, advertise_host=pd.advertise_host or "127.0.0.1", bootstrap_port=pd.bootstrap_port,
-        backend=pd.transfer_backend, bootstrap_timeout_s=pd.bootstrap_timeout_s,
-        waiting_timeout_s=pd.waiting_timeout_s, heartbeat_interval_s=pd.heartbeat_interval_s,
-        cluster_token=pd.cluster_token, progress_thread=pd.progress_thread,
-    )
-    return TransferManager(tc, runner.pool.buffer, compat_info(runner))
+    """The worker's TransferManager over its KV pool, configured from cfg.pd by name (PDConfig.transfer_config)."""
+    return TransferManager(cfg.pd.transfer_config(role), runner.pool.buffer, compat_info(runner))
 
 
 def pd_request(msg: m.GenerateReq, kv: KVManager, role: str, chunk: int) -> tuple[Req | None, m.TokenOut | None]:
@@ -56,7 +51,7 @@ def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]
 
 
 class TransferStats:
-    """Bytes, rooms and latency of this worker's KV transfers, shaped for StatsOut.info."""
+    """Bytes, rooms and latency of this worker's KV transfers; `totals()` is their typed report."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -74,11 +69,10 @@ class TransferStats:
         if tail_s is not None:
             self.tail.observe(tail_s)
 
-    def info(self) -> dict:
-        # on /metrics: pdserve_worker_transfer_bytes_total, pdserve_worker_transfer_rooms{name=...},
-        # histogram pdserve_worker_transfer_seconds
-        return {
-            "transfer_bytes_total": self.bytes,
-            "transfer_rooms": {"succeeded": self.succeeded, "failed": self.failed},
-            "histograms": {"transfer_seconds": snapshot(self.seconds), "transfer_tail_seconds": snapshot(self.tail)},
-        }
+    def totals(self, reused_bytes: int | None = None) -> TransferTotals:
+        """The typed report (service.stats); on /metrics: pdserve_worker_transfer_bytes_total,
+        pdserve_worker_transfer_rooms_total{name=...}, histograms pdserve_worker_transfer_seconds and
+        pdserve_worker_transfer_tail_seconds. `reused_bytes`: a decode's KV its prefix cache held."""
+        return TransferTotals(bytes=self.bytes, rooms_succeeded=self.succeeded, rooms_failed=self.failed,
+                              seconds=Histo.of(self.seconds), tail_seconds=Histo.of(self.tail),
+                              reused_bytes=reused_bytes)

@@ -6,6 +6,9 @@ Three request kinds share one path:
   completion   `POST /v1/completions` (OpenAI)
   chat         `POST /v1/chat/completions` (OpenAI; content is a string or a list of text parts)
 
+Each body is first validated with the model the OpenAPI document shows (common/api_requests.py:
+types, ranges, shapes, one clear message naming the field); then this module checks what no schema
+can say: the vocabulary, the context length, grammars that compile, tools, the PD fields.
 Every problem raises `RequestError` (HTTP status + message); nothing here touches a process or a
 socket, so it is unit-tested directly. Response bodies are built in `service/frontend.py`.
 
@@ -27,9 +30,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from common.api_requests import (
+    AbortRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    RequestInvalid,
+    validate,
+)
+from common.checks import is_int
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
 from engine.grammar import GrammarError, GrammarSpec
-from engine.parallel import MAX_N
 from engine.sampling_params import SamplingParams
 from service.messages import AbortReq, GenerateReq
 from service.tools import ToolError, ToolPlan, parse_tools, render_calls, with_system_prompt
@@ -40,8 +52,6 @@ MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
 NEUTRAL = {"best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
            "suffix": None}
-MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (engine.logprobs.MAX_TOP_LOGPROBS is the engine's)
-MAX_COMPLETION_LOGPROBS = 5
 
 
 class RequestError(Exception):
@@ -106,7 +116,7 @@ def _resume(body: dict[str, Any], limits: Limits) -> Resume | None:
         raise RequestError(f"'{RESUME_KEY}' must be an object")
     ids = _check_ids(raw.get("output_ids"), limits, f"'{RESUME_KEY}.output_ids'")
     rid, created = raw.get("id", ""), raw.get("created")
-    if not isinstance(rid, str) or not (created is None or _is_int(created)):
+    if not isinstance(rid, str) or not (created is None or is_int(created)):
         raise RequestError(f"'{RESUME_KEY}': 'id' must be a string, 'created' an integer")
     return Resume(ids, rid, created)
 
@@ -118,13 +128,13 @@ def _resumed(body: dict[str, Any], ids: list[int], sampling: dict[str, Any],
     if resume is None:
         return ids, None
     budget = sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if _is_int(budget):
+    if is_int(budget):
         if budget <= len(resume.output_ids):
             raise RequestError(f"'{RESUME_KEY}' holds {len(resume.output_ids)} tokens: nothing left of "
                                f"max tokens {budget}")
         sampling["max_new_tokens"] = budget - len(resume.output_ids)
     low = sampling.get("min_new_tokens")
-    if _is_int(low):
+    if is_int(low):
         sampling["min_new_tokens"] = max(0, low - len(resume.output_ids))
     return ids + resume.output_ids, resume
 
@@ -151,19 +161,12 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _opt(body: dict[str, Any], key: str, kinds: tuple[type, ...], what: str) -> Any:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) and bool not in kinds:
-        raise RequestError(f"'{key}' must be {what}, got a boolean")
-    if not isinstance(v, kinds):
-        raise RequestError(f"'{key}' must be {what}, got {type(v).__name__}")
-    return v
+def _valid(model: type[Any], body: dict[str, Any]) -> Any:
+    """The body as its documented model (common/api_requests.py): the one type, range and shape check."""
+    try:
+        return validate(model, body)
+    except RequestInvalid as e:
+        raise RequestError(str(e)) from None
 
 
 def _check_neutral(body: dict[str, Any], where: str) -> None:
@@ -186,9 +189,9 @@ def parse_bootstrap(body: dict[str, Any], role: str) -> tuple[str | None, int | 
                            "(PD requests come through the router)")
     if not isinstance(host, str) or not host or len(host) > 253 or any(c.isspace() for c in host):
         raise RequestError(f"bootstrap_host must be a non-empty host name or address, got {host!r}")
-    if not _is_int(port) or not 1 <= port <= 65535:
+    if not is_int(port) or not 1 <= port <= 65535:
         raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
-    if not _is_int(room) or not 0 <= room <= MAX_ROOM:
+    if not is_int(room) or not 0 <= room <= MAX_ROOM:
         raise RequestError(f"bootstrap_room must be an integer in 0..2^63-1, got {room!r}")
     return host, port, room
 
@@ -203,8 +206,13 @@ def _rid(body: dict[str, Any]) -> str:
 
 
 def _check_ids(ids: Any, limits: Limits, what: str) -> list[int]:
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise RequestError(f"{what} must be a list of integer token ids")
+    return _check_vocab(ids, limits, what)
+
+
+def _check_vocab(ids: list[int], limits: Limits, what: str) -> list[int]:
+    """`ids` (integers, as the request model checked) when each is a token of this model's vocabulary."""
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise RequestError(f"{what} holds token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
@@ -233,18 +241,7 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
             limits.grammars.compile(spec)
         except GrammarError as e:
             raise RequestError(str(e)) from e
-    room = ctx - prompt_len
-    return dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room),
-                               min_new_tokens=min(sp.min_new_tokens, room))
-
-
-def parse_n(value: Any) -> int:
-    """Choices per request (OpenAI's `n`; SGLang's `sampling_params.n`): an integer in 1..MAX_N."""
-    if value is None:
-        return 1
-    if not _is_int(value) or not 1 <= value <= MAX_N:
-        raise RequestError(f"'n' (choices per request) must be an integer in 1..{MAX_N}, got {value!r}")
-    return value
+    return sp.within(ctx - prompt_len)
 
 
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
@@ -262,17 +259,13 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
                          token_ids=body.get(TOKEN_IDS_KEY) is True)
 
 
-def _generate_logprobs(body: dict[str, Any], prompt_len: int) -> tuple[bool, int, int]:
+def _generate_logprobs(m: GenerateRequest, prompt_len: int) -> tuple[bool, int, int]:
     """SGLang's (return_logprob, top_logprobs_num, logprob_start_len); -1 (the default) reports no
     prompt logprobs, k >= 0 those of prompt positions k.. (position 0's value is null)."""
-    logprobs = bool(_opt(body, "return_logprob", (bool,), "a boolean"))
-    top = _opt(body, "top_logprobs_num", (int,), "an integer") or 0
-    if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
-        raise RequestError(f"'top_logprobs_num' must be in 0..{MAX_CHAT_TOP_LOGPROBS}, got {top}")
+    logprobs, top = bool(m.return_logprob), m.top_logprobs_num or 0
     if top and not logprobs:
         raise RequestError("'top_logprobs_num' needs 'return_logprob': true")
-    start = _opt(body, "logprob_start_len", (int,), "an integer")
-    start = -1 if start is None else start
+    start = -1 if m.logprob_start_len is None else m.logprob_start_len
     if not -1 <= start < prompt_len:
         raise RequestError(f"'logprob_start_len' must be -1 (output only) or a prompt position in "
                            f"0..{prompt_len - 1}, got {start}")
@@ -281,31 +274,13 @@ def _generate_logprobs(body: dict[str, Any], prompt_len: int) -> tuple[bool, int
 
 def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """Native /generate: `text` xor `input_ids`, `sampling_params`, `stream`, `return_logprob`, `rid`."""
-    text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
-        raise RequestError("give exactly one of 'text' or 'input_ids'")
-    if text is not None:
-        if isinstance(text, list):
-            raise RequestError("batched 'text' lists are not supported; send one request per prompt")
-        if not isinstance(text, str):
-            raise RequestError(f"'text' must be a string, got {type(text).__name__}")
-        if not text:
-            raise RequestError("'text' is empty")
-        ids = tok.encode(text)
-    else:
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            raise RequestError("batched 'input_ids' are not supported; send one request per prompt")
-        ids = _check_ids(ids, limits, "'input_ids'")
-    sp_raw = body.get("sampling_params")
-    if sp_raw is None:
-        sp_raw = {}
-    if not isinstance(sp_raw, dict):
-        raise RequestError("'sampling_params' must be a JSON object")
-    _check_neutral(sp_raw, "sampling_params ")
-    n = parse_n(sp_raw.get("n"))
+    m = _valid(GenerateRequest, body)
+    ids = tok.encode(m.text) if m.text is not None else _check_vocab(m.input_ids, limits, "'input_ids'")
+    sp_raw = body.get("sampling_params") or {}  # its keys and values are checked (GenerateSampling)
+    n = (m.sampling_params and m.sampling_params.n) or 1
     sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL and k != "n"}
-    stream = bool(_opt(body, "stream", (bool,), "a boolean"))
-    logprobs, top, start = _generate_logprobs(body, len(ids))
+    stream = bool(m.stream)
+    logprobs, top, start = _generate_logprobs(m, len(ids))
     ids, resume = _resumed(body, ids, sp_raw, limits)
     sp = _sampling(sp_raw, len(ids), limits)
     parsed = _make("generate", body, ids, sp, limits, stream, logprobs, top, start, n)
@@ -318,76 +293,47 @@ _OPENAI_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eo
                     "logit_bias")
 
 
-def _openai_sampling_raw(body: dict[str, Any], max_key_order: tuple[str, ...]) -> dict[str, Any]:
-    raw: dict[str, Any] = {k: body[k] for k in _OPENAI_SAMPLING if body.get(k) is not None}
-    if body.get("min_tokens") is not None:  # vLLM's and SGLang's OpenAI extension
-        raw["min_new_tokens"] = body["min_tokens"]
+def _openai_sampling_raw(m: ChatCompletionRequest | CompletionRequest,
+                         max_key_order: tuple[str, ...]) -> dict[str, Any]:
+    """SamplingParams fields from a validated OpenAI body (SGLang's names)."""
+    raw: dict[str, Any] = {k: v for k in _OPENAI_SAMPLING if (v := getattr(m, k)) is not None}
+    if m.min_tokens is not None:  # vLLM's and SGLang's OpenAI extension
+        raw["min_new_tokens"] = m.min_tokens
     for key in max_key_order:
-        if body.get(key) is not None:
-            raw["max_new_tokens"] = body[key]
+        if (v := getattr(m, key)) is not None:
+            raw["max_new_tokens"] = v
             break
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise RequestError("'stop' must be a string or a list of strings")
-        stop = [s for s in stop if s]  # OpenAI ignores empty stop strings
-        raw["stop"] = stop
+    if m.stop is not None:  # OpenAI ignores empty stop strings
+        raw["stop"] = [s for s in ([m.stop] if isinstance(m.stop, str) else m.stop) if s]
     return raw
 
 
-def _response_format(body: dict[str, Any]) -> dict[str, str]:
+def _response_format(m: ChatCompletionRequest | CompletionRequest) -> dict[str, str]:
     """OpenAI's response_format as a sampling grammar: text (none), json_object (any JSON object) or
     json_schema (its `schema`; replies always follow it, strict or not)."""
-    rf = _opt(body, "response_format", (dict,), "an object")
-    kind = "text" if rf is None else rf.get("type")
-    if kind == "text":
+    rf = m.response_format
+    if rf is None or rf.type == "text":
         return {}
-    if kind == "json_object":
+    if rf.type == "json_object":
         return {"json_schema": '{"type": "object"}'}
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-            raise RequestError("response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}")
-        return {"json_schema": json.dumps(js["schema"])}
-    raise RequestError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)")
+    return {"json_schema": json.dumps(rf.json_schema.schema_)}  # type json_schema: the model checked it
 
 
-def _stream_opts(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = bool(_opt(body, "stream", (bool,), "a boolean"))
-    opts = _opt(body, "stream_options", (dict,), "an object") or {}
-    include_usage = opts.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("'stream_options.include_usage' must be a boolean")
-    return stream, include_usage
+def _stream_opts(m: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    return bool(m.stream), bool(m.stream_options and m.stream_options.include_usage)
 
 
 def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """OpenAI /v1/completions: prompt is a string or a list of token ids (one prompt only)."""
     _check_neutral(body, "")
-    _opt(body, "model", (str,), "a string")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    m = _valid(CompletionRequest, body)
+    prompt = m.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # one prompt in a list
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("'prompt' is empty")
-        ids = tok.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        ids = _check_ids(prompt, limits, "'prompt'")
-    elif isinstance(prompt, list) and not prompt:
-        raise RequestError("'prompt' is empty")
-    elif prompt is None:
-        raise RequestError("'prompt' is required")
-    else:
-        raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)")
-    lp = _opt(body, "logprobs", (int,), "an integer")
-    if lp is not None and not 0 <= lp <= MAX_COMPLETION_LOGPROBS:
-        raise RequestError(f"'logprobs' must be in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), got {lp}")
-    echo = bool(_opt(body, "echo", (bool,), "a boolean"))
-    stream, include_usage = _stream_opts(body)
-    raw = _openai_sampling_raw(body, ("max_tokens",)) | _response_format(body)
+    ids = tok.encode(prompt) if isinstance(prompt, str) else _check_vocab(prompt, limits, "'prompt'")
+    lp, echo = m.logprobs, bool(m.echo)
+    stream, include_usage = _stream_opts(m)
+    raw = _openai_sampling_raw(m, ("max_tokens",)) | _response_format(m)
     echo_only = echo and raw.get("max_new_tokens") == 0 and RESUME_KEY not in body
     if echo_only:  # scoring a prompt (eval harnesses): one token is generated and never shown
         raw["max_new_tokens"], raw["min_new_tokens"] = 1, 0
@@ -396,7 +342,7 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     echo = echo and resume is None  # a resumed stream's first leg already showed the prompt
     # echo + logprobs: the prompt's tokens too (the first one's logprob is null, as OpenAI's)
     parsed = _make("completion", body, ids, sp, limits, stream, lp is not None, lp or 0, 0 if echo else -1,
-                   parse_n(body.get("n")))
+                   m.n or 1)
     parsed.include_usage = include_usage
     parsed.echo_only = echo_only
     if echo:
@@ -405,35 +351,21 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     return parsed
 
 
-_ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
-def _message_text(i: int, msg: Any) -> dict[str, str]:
-    if not isinstance(msg, dict):
-        raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'")
-    role = msg.get("role")
-    if role not in _ROLES:
-        raise RequestError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
-    content = msg.get("content")
+def _message_text(i: int, msg: ChatMessage, raw: dict[str, Any]) -> dict[str, str]:
+    """One validated message (`raw`: its JSON object) as template input: text parts joined, an
+    assistant's earlier tool calls rendered, developer as system."""
+    role, content = msg.role, msg.content
     if content is None and role == "assistant":
         content = ""
-    if role == "assistant" and msg.get("tool_calls"):  # earlier calls, in the documented text format
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    if role == "assistant" and msg.tool_calls:  # earlier calls, in the documented text format
         try:
-            calls = render_calls(msg["tool_calls"])
+            calls = render_calls(raw["tool_calls"])
         except ToolError as e:
             raise RequestError(f"messages[{i}]: {e}") from e
-        content = (content + "\n" if isinstance(content, str) and content else "") + calls
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"messages[{i}].content[{j}].text must be a string")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    if not isinstance(content, str):
+        content = (content + "\n" if content else "") + calls
+    if content is None:
         raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
     return {"role": "system" if role == "developer" else role, "content": content}
 
@@ -443,29 +375,23 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     from service.tokenizer import ChatTemplateError
 
     _check_neutral(body, "")
-    _opt(body, "model", (str,), "a string")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("'messages' must be a non-empty list")
-    messages = [_message_text(i, m) for i, m in enumerate(msgs)]
+    m = _valid(ChatCompletionRequest, body)
+    messages = [_message_text(i, msg, raw) for i, (msg, raw) in enumerate(zip(m.messages, body["messages"]))]
     if not any(m["content"] for m in messages):
         raise RequestError("every message is empty")
     try:
         plan = parse_tools(body)
     except ToolError as e:
         raise RequestError(str(e)) from e
-    grammar = _response_format(body)
+    grammar = _response_format(m)
     if plan is not None and plan.constrained:
         if grammar:
             raise RequestError("'response_format' and a required or named 'tool_choice' cannot be combined")
         grammar = {"json_schema": plan.call_schema()}
-    logprobs = bool(_opt(body, "logprobs", (bool,), "a boolean"))
-    top = _opt(body, "top_logprobs", (int,), "an integer")
-    if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
-        raise RequestError(f"'top_logprobs' must be in 0..{MAX_CHAT_TOP_LOGPROBS}, got {top}")
+    logprobs, top = bool(m.logprobs), m.top_logprobs
     if top is not None and not logprobs:
         raise RequestError("'top_logprobs' needs 'logprobs': true")
-    stream, include_usage = _stream_opts(body)
+    stream, include_usage = _stream_opts(m)
     try:
         if plan is not None and getattr(tok, "template_takes_tools", False):
             ids = tok.apply_chat_template(messages, tools=plan.for_template())
@@ -473,10 +399,10 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
             ids = tok.apply_chat_template(messages if plan is None else with_system_prompt(messages, plan))
     except ChatTemplateError as e:
         raise RequestError(str(e)) from e
-    raw = _openai_sampling_raw(body, ("max_completion_tokens", "max_tokens")) | grammar
+    raw = _openai_sampling_raw(m, ("max_completion_tokens", "max_tokens")) | grammar
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)
-    parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0, n=parse_n(body.get("n")))
+    parsed = _make("chat", body, ids, sp, limits, stream, logprobs, top or 0, n=m.n or 1)
     parsed.include_usage = include_usage
     parsed.tools = plan
     _apply_resume(parsed, resume)
@@ -484,15 +410,6 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
 
 
 def parse_abort(body: dict[str, Any]) -> AbortReq:
-    """`{"rid": str}`, `{"bootstrap_room": int}` or `{"abort_all": true}`."""
-    rid, room = body.get("rid"), body.get("bootstrap_room")
-    abort_all = body.get("abort_all", False)
-    if not isinstance(abort_all, bool):
-        raise RequestError("'abort_all' must be a boolean")
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise RequestError("'rid' must be a non-empty string")
-    if room is not None and (not _is_int(room) or not 0 <= room <= MAX_ROOM):
-        raise RequestError("'bootstrap_room' must be an integer in 0..2^63-1")
-    if rid is None and room is None and not abort_all:
-        raise RequestError("give 'rid', 'bootstrap_room' or 'abort_all': true")
-    return AbortReq(rid=rid or "", room=room, abort_all=abort_all)
+    """`{"rid": str}`, `{"bootstrap_room": int}` or `{"abort_all": true}` (common.api_requests.AbortRequest)."""
+    m = _valid(AbortRequest, body)
+    return AbortReq(rid=m.rid or "", room=m.bootstrap_room, abort_all=m.abort_all)

@@ -2,7 +2,8 @@
 
 `load_tokenizer(model_dir)` wraps a transformers tokenizer (tokenizer.json + tokenizer_config.json,
 chat template from tokenizer_config.json or chat_template.jinja) behind the small `Tokenizer` API the
-frontend needs: encode, decode, chat prompt -> ids.
+frontend needs: encode, decode, chat prompt -> ids. `bounded(n)` is a view that refuses, before
+tokenizing, a text whose characters alone prove it has more than n tokens (PromptTooLong).
 
 `IncrementalDetokenizer` turns a growing list of output ids into text deltas. It decodes a short
 window (ids since the last settled point) so each step costs O(window), holds back text that ends
@@ -16,6 +17,7 @@ reports the matched stop, trims the text at its first occurrence (OpenAI: the st
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,25 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered with the model's chat template (-> HTTP 400)."""
+
+
+class PromptTooLong(ValueError):
+    """A text whose characters alone prove it holds more tokens than a bounded view allows (-> 400)."""
+
+
+def max_token_chars(hf_tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None where no safe bound is known.
+
+    Safe only for byte-level BPE without a normalizer: every character is at least one byte, every
+    vocabulary entry's string is one character per byte, and an added token matches its own
+    characters (unless it strips whitespace around it: then no bound); so a text of C characters has
+    at least C / max_token_chars tokens."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or "ByteLevel" not in repr(backend.pre_tokenizer):
+        return None
+    if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+        return None
+    return max((len(k) for k in backend.get_vocab(with_added_tokens=True)), default=0) or None
 
 
 class Tokenizer:
@@ -42,9 +63,27 @@ class Tokenizer:
         self.has_chat_template = bool(template)
         # the template renders OpenAI `tools` itself (else service.tools' system prompt does)
         self.template_takes_tools = isinstance(template, str) and "tools" in template
+        self.max_token_chars = max_token_chars(hf_tokenizer)
+        self._fast = getattr(hf_tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when there is one
+        self.max_tokens: int | None = None  # set on a `bounded` view only
+
+    def bounded(self, max_tokens: int) -> Tokenizer:
+        """A view of this tokenizer whose `encode` (and chat prompts) raise PromptTooLong, without
+        tokenizing, for a text whose length alone proves it has more than `max_tokens` tokens. It
+        never refuses a text that fits; where no safe bound is known it refuses nothing."""
+        view = copy.copy(self)
+        view.max_tokens = max_tokens
+        return view
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids, no special tokens added (prompts carry their own if they need them)."""
+        bound = self.max_token_chars
+        if self.max_tokens is not None and bound and len(text) > self.max_tokens * bound:
+            at_least = -(-len(text) // bound)
+            raise PromptTooLong(f"the prompt has at least {at_least} tokens ({len(text)} characters, at most "
+                                f"{bound} per token); at most {self.max_tokens} prompt tokens fit")
+        if self._fast is not None:  # the same ids; encode_batch lets other threads run meanwhile (encode holds
+            return self._fast.encode_batch([text], add_special_tokens=False)[0].ids  # the GIL throughout)
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

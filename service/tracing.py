@@ -2,9 +2,10 @@
 
 A worker builds a `ReqTrace` for a GenerateReq that carries a traceparent while tracing is on
 (`for_msg`, else None: every hook in the roles is skipped for untraced requests). The engine's `Req`
-holds it opaquely in `Req.trace`. Spans are opened and closed by name as the request moves through
-the role's queues; `close` ends whatever is still open when the request finishes (token_out calls
-it), marking them failed when the request failed.
+holds it in `Req.trace`, typed by the engine's `engine.request.Trace` protocol (what the roles call
+on it). Spans are opened and closed by name as the request moves through the role's queues;
+`close` ends whatever is still open when the request finishes (token_out calls it), marking them
+failed when the request failed.
 
 Span names (prefix = the worker's role): `<role>.<queue or phase>`, e.g. `prefill.bootstrap_queue`,
 `prefill.chunk`, `prefill.kv_transfer`, `decode.admission`, `decode.kv_transfer`, `decode.running`,
@@ -13,9 +14,13 @@ Span names (prefix = the worker's role): `<role>.<queue or phase>`, e.g. `prefil
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common import tracing
+
+if TYPE_CHECKING:
+    from engine.request import Req
+    from engine.scheduler import Event
 
 
 class ReqTrace:
@@ -66,20 +71,20 @@ class ReqTrace:
             self.end(phase)
 
 
-def scheduler_event(name: str, r: Any) -> None:
+def scheduler_event(name: str, r: Req) -> None:
     """engine.scheduler.Scheduler's on_event: queue -> running, retracted to host and back."""
-    t: ReqTrace | None = r.trace
+    t = r.trace
     if t is None:
         return
     if name == "running":
         t.end("queue")
         t.ensure("running")
     elif name == "retract":
-        t.begin("retracted", host_pages=len(r.host_pages), kv_tokens=r.kv_len)
+        t.begin("retracted", host_pages=len(r.kv.host_pages), kv_tokens=r.kv.kv_len)
     elif name == "reload":
-        t.end("retracted", pages=len(r.pages))
+        t.end("retracted", pages=len(r.kv.pages))
 
 
-def scheduler_hook() -> Any:
+def scheduler_hook() -> Event | None:
     """The Scheduler's on_event in this process: None (no calls at all) while tracing is off."""
     return scheduler_event if tracing.enabled() else None

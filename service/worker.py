@@ -12,16 +12,18 @@ import logging
 import os
 import signal
 import time
+from dataclasses import replace
 from typing import Protocol
 
 from common import tracing
 from common.logs import setup_logging
 from engine.kv_manager import KVManager
 from engine.parallel import add_choices
-from engine.request import FinishReason, Req
+from engine.request import Bootstrap, FinishReason, LogprobState, Req
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
+from service.stats import WorkerStats
 from service.tracing import ReqTrace
 
 log = logging.getLogger("pdserve.worker")
@@ -31,10 +33,9 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     """The engine's request for an already-validated GenerateReq (traced when it carries a traceparent
     and tracing is on in this process); with n > 1 it carries choices 1..n-1 (engine.parallel)."""
     req = Req(
-        rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling, stream=msg.stream,
-        return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-        logprob_start_len=msg.logprob_start_len, bootstrap_host=msg.bootstrap_host,
-        bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room,
+        rid=msg.rid, token_ids=msg.input_ids, sampling=msg.sampling, stream=msg.stream,
+        logprobs=LogprobState(on=msg.return_logprob, top_k=msg.top_logprobs_num, start_len=msg.logprob_start_len),
+        pd=Bootstrap(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room),
         trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
     )
     add_choices(req, msg.n)
@@ -44,30 +45,30 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
 def token_out(r: Req) -> m.TokenOut:
     """What r produced since the last report; marks it reported (and ends its spans once finished)."""
     if r.trace is not None and r.finished:
-        r.trace.annotate("running", completion_tokens=len(r.output_ids), retractions=r.retractions,
-                    finish_reason=r.finish_reason.value if r.finish_reason else "")
+        r.trace.annotate("running", completion_tokens=r.num_output_tokens, retractions=r.kv.retractions,
+                         finish_reason=r.finish_reason.value if r.finish_reason else "")
         r.trace.close(r.error if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORT) else None)
     sent = r.sent_tokens
-    r.sent_tokens = len(r.output_ids)
+    r.sent_tokens = r.num_output_tokens
     out = m.TokenOut(
-        rid=r.group or r.rid, index=r.index, new_token_ids=r.output_ids[sent:],
+        rid=r.choice.group or r.rid, index=r.choice.index, new_token_ids=r.token_ids[r.num_prompt_tokens + sent :],
         finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
         matched_stop=r.matched_stop, error=r.error, error_code=r.error_code, fault=r.error_fault,
-        prompt_tokens=len(r.input_ids), completion_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+        prompt_tokens=r.num_prompt_tokens, completion_tokens=r.num_output_tokens, cached_tokens=r.kv.cached_tokens,
     )
-    if r.return_logprob:
-        _logprobs_out(r, sent, out)
+    if r.logprobs.on:
+        _logprobs_out(r.logprobs, sent, out)
     return out
 
 
-def _logprobs_out(r: Req, sent: int, out: m.TokenOut) -> None:
-    out.new_logprobs = r.output_logprobs[sent:]
-    out.new_top_logprobs = [[ids, lps] for ids, lps in r.output_top_logprobs[sent:]]
-    if r.input_logprobs_done and not r.input_logprobs_sent:  # once, by whoever computed the prompt
-        r.input_logprobs_sent = True
-        out.input_start = r.logprob_start_len
-        out.input_logprobs = list(r.input_logprobs)
-        out.input_top_logprobs = [[ids, lps] for ids, lps in r.input_top_logprobs]
+def _logprobs_out(lp: LogprobState, sent: int, out: m.TokenOut) -> None:
+    out.new_logprobs = lp.output[sent:]
+    out.new_top_logprobs = [[ids, lps] for ids, lps in lp.output_top[sent:]]
+    if lp.input_done and not lp.input_sent:  # once, by whoever computed the prompt
+        lp.input_sent = True
+        out.input_start = lp.start_len
+        out.input_logprobs = list(lp.input)
+        out.input_top_logprobs = [[ids, lps] for ids, lps in lp.input_top]
 
 
 def error_out(rid: str, message: str, code: int) -> m.TokenOut:
@@ -82,7 +83,7 @@ class Role(Protocol):
     def abort(self, msg: m.AbortReq) -> None: ...
     def has_work(self) -> bool: ...
     def step(self) -> list[m.TokenOut]: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> WorkerStats: ...  # typed numbers for a StatsOut (the loop sets `time`)
     def busy(self) -> int: ...  # requests held anywhere in the role (0: idle, the cache may be flushed)
     def wait(self, io: WorkerChannels) -> None: ...  # block until a message, a transfer event or a timer
     def close(self) -> None: ...
@@ -134,7 +135,8 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
             outs: list[m.TokenOut] = []
             for msg in io.inbox.recv_all():
                 if isinstance(msg, m.StatsReq):
-                    io.outbox.send(m.StatsOut(token=msg.token, info={**info, **role.stats(), "time": time.time()}))
+                    io.outbox.send(m.StatsOut(token=msg.token, info=info,
+                                              stats=replace(role.stats(), time=time.time())))
                 elif isinstance(msg, m.FlushCacheReq):
                     io.outbox.send(flush_cache(role, msg.token))
                 else:

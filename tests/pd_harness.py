@@ -97,7 +97,7 @@ class PDPair:
         deadline = time.monotonic() + timeout_s
         choices = len(prompts) * extra.get("n", 1)  # the prefill reports choice 0 only
         while len(d_done) < choices or len(p_done) < len(prompts):
-            assert time.monotonic() < deadline, f"stuck: prefill {self.prefill.stats()['queues']}, " \
+            assert time.monotonic() < deadline, f"stuck: prefill {self.prefill.stats().queues}, " \
                                                 f"decode {self.decode.stats()}"
             collect(self.prefill.step(), {}, p_done)
             collect(self.decode.step(), tokens, d_done, seen)

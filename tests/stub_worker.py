@@ -25,6 +25,7 @@ from pathlib import Path
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
+from service.stats import Counters, Histo, KVStats, TransferTotals, WorkerStats
 
 
 @dataclass
@@ -109,13 +110,12 @@ class StubWorker:
 
     def stats(self, token: int) -> m.StatsOut:
         used = sum(len(r.msg.input_ids) + len(r.out) for r in self.active.values())
-        return m.StatsOut(token=token, info={
-            **self.info, "queues": {"running": len(self.active), "waiting": 0},
-            "kv_used_tokens": used, "kv_total_tokens": self.cfg.engine.max_total_tokens,
-            "counters": {"retractions": 0, "transfer_bytes": 0, "finished": self.finished},
-            "histograms": {"stub_step_seconds": {"le": [0.01, 0.1], "counts": [1, 2], "sum": 0.05,
-                                                 "count": 2}},
-        })
+        return m.StatsOut(token=token, info=self.info, stats=WorkerStats(
+            queues={"running": len(self.active), "waiting": 0},
+            kv=KVStats(used_tokens=used, total_tokens=self.cfg.engine.max_total_tokens),
+            counters=Counters(retractions=0), time=time.time(),
+            transfer=TransferTotals(seconds=Histo(le=[0.01, 0.1], counts=[1, 2], sum=0.05, count=2)),
+        ))
 
     def handle(self, msg: object, outs: list[m.TokenOut]) -> None:
         if isinstance(msg, m.GenerateReq):

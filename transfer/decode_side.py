@@ -46,6 +46,7 @@ from transfer.messages import (
 )
 from transfer.rooms import KVReceiver
 from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
+from transfer.stats import LinkStats
 
 log = logging.getLogger(__name__)
 SLOT_QUARANTINE_S = 60.0
@@ -300,12 +301,12 @@ class DecodeSide:
         if peer is not None:
             peer.rooms.discard(room)
 
-    def stats(self) -> dict[str, int]:
-        return {"receivers": len(self.receivers),
-                "pending_recvs": sum(r.pending() for r in self.receivers.values()),
-                "staging_bytes": sum(r.staging_bytes() for r in self.receivers.values()),
-                "draining": len(self.draining), "peers": len(self.peers),
-                "control_dropped": dict(self.dropped.counts)}
+    def stats(self) -> LinkStats:
+        return LinkStats(receivers=len(self.receivers),
+                         pending_recvs=sum(r.pending() for r in self.receivers.values()),
+                         staging_bytes=sum(r.staging_bytes() for r in self.receivers.values()),
+                         draining=len(self.draining), peers=len(self.peers),
+                         control_dropped=dict(self.dropped.counts))
 
     def close(self) -> None:
         for peer in self.peers.values():

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import zmq
@@ -34,6 +35,7 @@ from transfer.decode_side import DecodeSide
 from transfer.layout import page_view
 from transfer.prefill_side import PrefillSide
 from transfer.rooms import KVReceiver, KVSender
+from transfer.stats import LinkStats
 
 log = logging.getLogger(__name__)
 _TIMER_PERIOD_S = 0.05
@@ -184,12 +186,10 @@ class TransferManager:
         side = self._side
         return len(side.senders) if isinstance(side, PrefillSide) else len(side.receivers)
 
-    def stats(self) -> dict[str, int]:
-        """Counters for tests and /metrics: rooms, queued/in-flight messages, staging, peers."""
-        out = self._side.stats()
-        out["backend_sinks"] = getattr(self._backend, "pending_sinks", 0)
-        out["background_passes"] = self._bg_passes
-        return out
+    def stats(self) -> LinkStats:
+        """The link's levels (rooms, queued/in-flight messages, staging, peers) and totals, typed."""
+        return replace(self._side.stats(), backend_sinks=getattr(self._backend, "pending_sinks", 0),
+                       background_passes=self._bg_passes)
 
     def close(self) -> None:
         if self._closed:

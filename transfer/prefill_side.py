@@ -41,6 +41,7 @@ from transfer.messages import (
 )
 from transfer.rooms import KVSender
 from transfer.state import TERMINAL, ErrorCode, KVPoll, TransferError
+from transfer.stats import LinkStats
 
 log = logging.getLogger(__name__)
 
@@ -261,11 +262,11 @@ class PrefillSide:
         if sender is not None:
             self.draining.extend(sender.drain())
 
-    def stats(self) -> dict[str, int]:
-        return {"senders": len(self.senders), "early_infos": len(self.early),
-                "pending_sends": sum(s.pending() for s in self.senders.values()),
-                "draining": len(self.draining), "peers": len(self.peers),
-                "prefix_refusals": self.prefix_refusals, "control_dropped": dict(self.dropped.counts)}
+    def stats(self) -> LinkStats:
+        return LinkStats(senders=len(self.senders), early_infos=len(self.early),
+                         pending_sends=sum(s.pending() for s in self.senders.values()),
+                         draining=len(self.draining), peers=len(self.peers),
+                         prefix_refusals=self.prefix_refusals, control_dropped=dict(self.dropped.counts))
 
     def close(self) -> None:
         self.bootstrap.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.configs import build
 from transfer import CompatInfo, KVPoll, TransferConfig, TransferManager
 from transfer.state import TERMINAL
 
@@ -146,14 +147,17 @@ def _finish(mgr: TransferManager, rooms: dict) -> dict:
         mgr.progress()
         mgr.idle_wait(0.005)
     return {"states": states, "errors": errors[:5], "num_errors": len(errors),
-            "active_rooms": mgr.active_rooms(), "stats": mgr.stats()}
+            "active_rooms": mgr.active_rooms(), "stats": mgr.stats().to_info()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--role", choices=["prefill", "decode"], required=True, help="which side to run")
-    ap.add_argument("--host", default="127.0.0.1", help="advertise/bind address of this process")
-    ap.add_argument("--port", type=int, default=0, help="prefill: bootstrap port (0 = free port)")
+    # dests are TransferConfig's field names: the config is built from them by name (common.configs)
+    ap.add_argument("--host", default="127.0.0.1", dest="advertise_host", metavar="HOST",
+                    help="advertise/bind address of this process")
+    ap.add_argument("--port", type=int, default=0, dest="bootstrap_port", metavar="PORT",
+                    help="prefill: bootstrap port (0 = free port)")
     ap.add_argument("--bootstrap", default="", help="decode: host:port of the prefill bootstrap server")
     ap.add_argument("--rooms", type=int, default=100, help="number of rooms")
     ap.add_argument("--seed", type=int, default=0, help="plan and data seed (same on both sides)")
@@ -166,9 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=64, help="head dim")
     ap.add_argument("--model", default="selftest", help="model name in the compatibility hash")
     ap.add_argument("--backend", default="ucx", choices=["ucx", "fake"], help="data backend")
-    ap.add_argument("--heartbeat", type=float, default=0.5, help="heartbeat interval, seconds")
-    ap.add_argument("--waiting-timeout", type=float, default=60.0, help="decode waiting timeout, s")
-    ap.add_argument("--bootstrap-timeout", type=float, default=60.0, help="prefill bootstrap timeout, s")
+    ap.add_argument("--heartbeat", type=float, default=0.5, dest="heartbeat_interval_s", metavar="HEARTBEAT",
+                    help="heartbeat interval, seconds")
+    ap.add_argument("--waiting-timeout", type=float, default=60.0, dest="waiting_timeout_s",
+                    metavar="WAITING_TIMEOUT", help="decode waiting timeout, s")
+    ap.add_argument("--bootstrap-timeout", type=float, default=60.0, dest="bootstrap_timeout_s",
+                    metavar="BOOTSTRAP_TIMEOUT", help="prefill bootstrap timeout, s")
     ap.add_argument("--stall-after", type=int, default=0, help="stop driving after N chunks/rooms")
     ap.add_argument("--send-interval", type=float, default=0.0,
                     help="prefill: seconds between chunk sends (spreads a run out in time)")
@@ -178,9 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = TransferConfig(role=args.role, advertise_host=args.host, bootstrap_port=args.port,
-                         backend=args.backend, heartbeat_interval_s=args.heartbeat,
-                         waiting_timeout_s=args.waiting_timeout, bootstrap_timeout_s=args.bootstrap_timeout)
+    cfg = build(TransferConfig, args)
     plans = make_plan(args.seed, args.rooms, args.max_pages, args.max_chunks, args.num_pages)
     pool = source_pool(args) if args.role == "prefill" else torch.zeros(
         args.num_pages, args.layers, 2, args.page_size, args.kv_heads, args.head_dim)

@@ -131,6 +131,7 @@ def test_container_flags_are_accepted_by_pdserve_help(rendered_all: dict[str, Re
 
 
 def test_worker_flag_values_parse_and_validate(rendered: Rendered) -> None:
+    from common.configs import build
     from engine.config import EngineConfig
     from service.config import PDConfig, add_server_args
 
@@ -143,8 +144,7 @@ def test_worker_flag_values_parse_and_validate(rendered: Rendered) -> None:
                      max_total_tokens=ns.max_total_tokens, host_kv_tokens=ns.host_kv_tokens,
                      chunked_prefill_size=ns.chunked_prefill_size, max_prefill_tokens=ns.max_prefill_tokens,
                      max_running_requests=ns.max_running_requests, threads=ns.threads)
-        PDConfig(bootstrap_port=getattr(ns, "bootstrap_port", 8998), advertise_host=ns.advertise_host,
-                 bootstrap_timeout_s=ns.bootstrap_timeout, waiting_timeout_s=ns.waiting_timeout)
+        build(PDConfig, ns)  # every transfer flag, by name (as server_config_from_args builds it)
         assert ns.advertise_host == "10.0.0.7", "--advertise-host must be the pod IP"
     # Prefill and decode must agree on what the transfer handshake compares.
     same = ("--model", "--dtype", "--page-size", "--device")

@@ -16,6 +16,8 @@ import tomllib
 import yaml
 from deploy_render import DEPLOY, OVERLAYS, ROOT, Rendered
 
+from service.metrics import WORKER_METRICS
+
 K8S_VERSION = "1.30.0"
 EXPECTED_KINDS = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Deployment",
                   "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"}
@@ -128,8 +130,9 @@ def test_operations_doc_names_real_metrics_and_steps() -> None:
     for needed in ("kubectl -n pdserve create secret generic pdserve-tokens", "scale deploy/pdserve-prefill",
                    "scale deploy/pdserve-decode", "overlays/cpu-demo", "Troubleshooting a stuck transfer"):
         assert needed in doc, needed
-    source = "\n".join(p.read_text() for d in ("router", "engine", "service", "common", "colocated_service", "prefill_service", "decode_service")
-                       for p in (ROOT / d).rglob("*.py"))
+    packages = ("router", "engine", "service", "common", "colocated_service", "prefill_service", "decode_service")
+    source = "\n".join(p.read_text() for d in packages for p in (ROOT / d).rglob("*.py"))
+    source += "\n".join(m.name for m in WORKER_METRICS)  # worker counters are declared from typed fields
     named = set(re.findall(r"\bpdserve_[a-z_]+[a-z]\b", doc))
     assert len(named) >= 10
     missing = sorted(m for m in named if m not in source)

@@ -20,15 +20,15 @@ def test_offload_reload_restores_bytes():
                   dtype=torch.float32, device="cpu")
     host = HostKVPool(16, tuple(pool.buffer.shape[1:]), torch.float32, pin=False)
     kv = KVManager(pool, host)
-    r = Req(rid="a", input_ids=list(range(10)), sampling=SamplingParams())
+    r = Req(rid="a", token_ids=list(range(10)), sampling=SamplingParams())
     kv.grow(r, 10)
     pool.buffer.normal_()
-    before = pool.buffer[r.pages].clone()
+    before = pool.buffer[r.kv.pages].clone()
     kv.offload(r)
-    assert r.pages == [] and len(r.host_pages) == 3 and pool.allocator.num_used == 0
+    assert r.kv.pages == [] and len(r.kv.host_pages) == 3 and pool.allocator.num_used == 0
     pool.buffer.zero_()
     kv.reload(r)
-    assert torch.equal(pool.buffer[r.pages], before)
+    assert torch.equal(pool.buffer[r.kv.pages], before)
     kv.release(r)
     assert kv.all_free()
 

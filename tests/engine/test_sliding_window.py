@@ -127,7 +127,7 @@ def test_long_generation_holds_only_the_window_pages(swa_model):
     path, hf, windows = swa_model
     llm = LLM(EngineConfig(model=str(path), max_total_tokens=4096, page_size=16, chunked_prefill_size=64))
     ids = _prompts()[-1]  # 600 tokens
-    req = Req(rid="long", input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=120,
+    req = Req(rid="long", token_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=120,
                                                                  ignore_eos=True))
     llm.scheduler.add(req)
     alloc, peak = llm.runner.pool.allocator, 0
@@ -160,7 +160,7 @@ def test_retraction_with_freed_pages_reloads_exactly(swa_model):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(100, 49000, (300,), generator=g).tolist() for _ in range(3)]
     sched = llm.scheduler
-    reqs = [Req(rid=f"r{i}", input_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=40,
+    reqs = [Req(rid=f"r{i}", token_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=40,
                                                                     ignore_eos=True))
             for i, ids in enumerate(prompts)]
     for r in reqs:
@@ -171,11 +171,11 @@ def test_retraction_with_freed_pages_reloads_exactly(swa_model):
         if not retracted and len(sched.running) == 3 and all(len(r.output_ids) >= 20 for r in sched.running):
             for r in list(sched.running[:2]):
                 host_before = sched.kv.host.allocator.num_used
-                live = len(r.pages) - r.dropped_pages
+                live = len(r.kv.pages) - r.kv.dropped_pages
                 sched.retract(r)
                 assert sched.kv.host.allocator.num_used - host_before == live  # only live pages move
-                retracted.append((r, r.dropped_pages))
-    assert len(retracted) == 2 and all(r.retractions == 1 for r, _ in retracted)
+                retracted.append((r, r.kv.dropped_pages))
+    assert len(retracted) == 2 and all(r.kv.retractions == 1 for r, _ in retracted)
     assert all(dropped > 0 for _, dropped in retracted) == (0 not in windows)
     assert [r.output_ids for r in reqs] == _hf_greedy(hf, prompts, 40)
     assert sched.kv.all_free()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import re
 
 import httpx
 import pytest
@@ -161,7 +162,8 @@ def test_small_decode_pool_retracts_and_completes(svc):
     assert after["counters"]["retractions"] > before["retractions"], after["counters"]
     assert after["counters"]["reloads"] > before["reloads"], after["counters"]
     metrics = httpx.get(svc["small"].decode.url + "/metrics", timeout=10).text
-    assert 'pdserve_worker_counters{name="retractions"}' in metrics
+    assert "# TYPE pdserve_worker_retractions_total counter" in metrics
+    assert re.search(r"^pdserve_worker_retractions_total [1-9]", metrics, re.M), metrics[-2000:]
     wait_idle(svc["small"].prefill)
 
 

@@ -392,7 +392,7 @@ def test_prefix_cache_usage_and_flush(stack):
     assert {v["choices"][0]["message"]["content"] for v in via} == {first["choices"][0]["message"]["content"]}
     assert max(v["usage"]["prompt_tokens_details"]["cached_tokens"] for v in via) == cached
     metrics = httpx.get(colo + "/metrics").text
-    assert re.search(r"^pdserve_worker_prefix_hit_tokens [1-9]", metrics, re.M), metrics[-2000:]
+    assert re.search(r"^pdserve_worker_prefix_hit_tokens_total [1-9]", metrics, re.M), metrics[-2000:]
 
     flushed = httpx.post(colo + "/flush_cache", timeout=30)  # idle (the 409 while busy: test_prefix_cache.py)
     assert flushed.status_code == 200 and flushed.json()["freed_tokens"] >= cached, flushed.text
@@ -404,7 +404,7 @@ def test_prefix_cache_usage_and_flush(stack):
     for name, (url, _) in stack["children"].items():
         if name.startswith("decode"):
             text = httpx.get(url + "/metrics", headers={TOKEN_HEADER: token}, timeout=30).text
-            found = re.search(r'^pdserve_worker_counters\{name="kv_pages_reused_on_decode"\} (\S+)', text, re.M)
+            found = re.search(r'^pdserve_worker_kv_pages_reused_on_decode_total (\S+)', text, re.M)
             reused += float(found.group(1)) if found else 0.0
     assert reused > 0
     for name, (url, _) in stack["children"].items():

@@ -7,6 +7,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from service import messages as sm
+from service.stats import Counters, WorkerStats
 from transfer import messages as tm
 
 
@@ -16,7 +17,8 @@ def test_service_messages_round_trip_typed() -> None:
     assert sm.decode(sm.encode(req)) == req
     batch = sm.TokenBatch(outs=[sm.TokenOut(rid="r", new_token_ids=[7], finished=True, finish_reason="stop")])
     assert sm.decode(sm.encode(batch)) == batch
-    stats = sm.StatsOut(token=3, info={"queues": {"waiting": 1}, "type": "not a message"})
+    stats = sm.StatsOut(token=3, info={"model_path": "/m", "type": "not a message"},
+                        stats=WorkerStats(queues={"waiting": 1}, counters=Counters(retractions=2)))
     assert sm.decode(sm.encode(stats)) == stats
 
 

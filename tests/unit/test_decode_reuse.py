@@ -65,15 +65,15 @@ def test_multi_turn_pd_greedy_identical_and_only_new_pages_move(model_dir: str) 
         try:
             runs[cache] = _chat(pair, 3)
             d, p = pair.decode.stats(), pair.prefill.stats()
-            assert d["transfer_bytes_total"] == p["transfer_bytes_total"] > 0  # both count what moved
-            reused = d["counters"]["kv_pages_reused_on_decode"]
+            assert d.transfer.bytes == p.transfer.bytes > 0  # both count what moved
+            reused = d.counters.kv_pages_reused_on_decode
             if cache:
-                assert reused > 0 and d["transfer_bytes_reused_total"] == reused * pair.d_kv.pool.page_bytes
-                assert d["prefix_hit_tokens"] == reused * pair.d_kv.page_size
-                assert d["counters"]["kv_prefix_refused_by_prefill"] == 0
+                assert reused > 0 and d.transfer.reused_bytes == reused * pair.d_kv.pool.page_bytes
+                assert d.prefix.hit_tokens == reused * pair.d_kv.page_size
+                assert d.counters.kv_prefix_refused_by_prefill == 0
             else:
                 assert reused == 0 and pair.d_kv.cache is None
-            runs[(cache, "bytes")] = d["transfer_bytes_total"]
+            runs[(cache, "bytes")] = d.transfer.bytes
             _drained(pair)
         finally:
             pair.close()
@@ -94,9 +94,9 @@ def test_refused_prefix_falls_back_to_the_whole_prompt(model_dir: str, monkeypat
     try:
         assert _chat(pair, 2) == want
         d, p = pair.decode.stats(), pair.prefill.stats()
-        assert d["counters"]["kv_prefix_refused_by_prefill"] == 3 == p["transfer"]["prefix_refusals"]
-        assert d["counters"]["kv_pages_reused_on_decode"] == 0
-        assert d["prefix_hit_tokens"] == 0  # the refused matches were given back
+        assert d.counters.kv_prefix_refused_by_prefill == 3 == p.link.prefix_refusals
+        assert d.counters.kv_pages_reused_on_decode == 0
+        assert d.prefix.hit_tokens == 0  # the refused matches were given back
         _drained(pair)
     finally:
         pair.close()
@@ -115,7 +115,7 @@ def test_abort_of_a_decode_cache_hit_releases_its_locks(model_dir: str) -> None:
         pair.decode.add(req)
         pair.decode.step()  # admitted: the cached prefix is matched and locked, the room opened
         held = [r for r, _, _ in pair.decode.transfer.values()]
-        assert len(held) == 1 and held[0].shared_pages == 7 and cache.evictable_pages < cache.cached_pages
+        assert len(held) == 1 and held[0].kv.shared_pages == 7 and cache.evictable_pages < cache.cached_pages
         pair.decode.abort(m.AbortReq(rid="b"))
         pair.prefill.abort(m.AbortReq(rid="b"))
         done: dict[str, m.TokenOut] = {}
@@ -137,8 +137,8 @@ def test_abort_of_a_decode_cache_hit_releases_its_locks(model_dir: str) -> None:
             collect(pair.decode.step() + pair.prefill.step(), tokens, done)
             pair.p_mgr.idle_wait(0.002)
         running = pair.decode.sched.running
-        assert [r.rid for r in running] == ["c"] and running[0].shared_pages == 7
-        assert pair.decode.stats()["counters"]["kv_pages_reused_on_decode"] == 7
+        assert [r.rid for r in running] == ["c"] and running[0].kv.shared_pages == 7
+        assert pair.decode.stats().counters.kv_pages_reused_on_decode == 7
         pair.decode.abort(m.AbortReq(rid="c"))
         collect(pair.decode.step(), tokens, done)
         assert done["c"].finish_reason is not None and pair.decode.busy() == 0
@@ -164,7 +164,7 @@ def test_oversubscribed_decode_evicts_and_retracts_with_unchanged_outputs(model_
         kv = pair.d_kv
         assert kv.retractions > 0 and kv.reloads == kv.retractions
         assert kv.cache is not None and kv.cache.evicted_pages > 0
-        assert pair.decode.stats()["counters"]["kv_pages_reused_on_decode"] > 0
+        assert pair.decode.stats().counters.kv_pages_reused_on_decode > 0
         _drained(pair)
     finally:
         pair.close()
@@ -181,8 +181,8 @@ def test_local_prefill_threshold_counts_only_uncached_tokens(model_dir: str) -> 
         try:
             # turn 1: ~90 prompt tokens; later turns add <= 20 the decode's cache lacks
             runs[cache] = _chat(pair, 3, n=2, system=80)
-            counters = pair.decode.stats()["counters"]
-            runs[(cache, "local")] = counters["prefills_local"]
+            counters = pair.decode.stats().counters
+            runs[(cache, "local")] = counters.prefills_local
             _drained(pair)
         finally:
             pair.close()

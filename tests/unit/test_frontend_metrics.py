@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from common.metrics import CollectorRegistry, Histogram, render, snapshot
-from service.messages import TokenOut
-from service.metrics import FrontendMetrics, render_worker_info
+from service.messages import StatsOut, TokenOut, decode, encode
+from service.metrics import WORKER_METRICS, FrontendMetrics, render_worker_stats
 from service.protocol import Limits, parse_chat, parse_generate
 from service.responses import RequestTracker, final_body, stream_chunks
+from service.stats import (
+    Counters,
+    Histo,
+    KVStats,
+    LinkStats,
+    PrefixCacheStats,
+    TransferTotals,
+    WorkerStats,
+    internal_state,
+)
 
 
 def test_histogram_is_cumulative() -> None:
@@ -24,8 +36,10 @@ def test_histogram_is_cumulative() -> None:
     assert not any("_created" in ln for ln in lines)
     # the same counts as plain data, as a worker ships them, render the same buckets
     assert snapshot(h) == {"le": [0.1, 1.0], "counts": [2, 3], "sum": 3.65, "count": 4}
-    shipped = render_worker_info({"histograms": {"x_seconds": snapshot(h)}}, prefix="")
-    assert 'x_seconds_bucket{le="1.0"} 3.0' in shipped and 'x_seconds_bucket{le="+Inf"} 4.0' in shipped
+    shipped = render_worker_stats(StatsOut(token=1, info={}, stats=WorkerStats(transfer=TransferTotals(
+        seconds=Histo.of(h)))))
+    assert 'pdserve_worker_transfer_seconds_bucket{le="1.0"} 3.0' in shipped
+    assert 'pdserve_worker_transfer_seconds_bucket{le="+Inf"} 4.0' in shipped
 
 
 def test_frontend_metrics_render() -> None:
@@ -38,18 +52,54 @@ def test_frontend_metrics_render() -> None:
     assert "# TYPE pdserve_time_to_first_token_seconds histogram" in text
 
 
-def test_worker_info_rendered_generically() -> None:
-    info = {"kv_used_tokens": 12, "ready": True, "model_path": "/m", "queues": {"waiting": 3, "running": 1},
-            "counters": {"retractions": 2, "nested": {"a": 1}},
-            "histograms": {"transfer_seconds": {"le": [0.1, 1.0], "counts": [1, 4], "sum": 2.5, "count": 5}}}
-    lines = render_worker_info(info)
-    assert "pdserve_worker_kv_used_tokens 12.0" in lines
-    assert 'pdserve_worker_queues{name="waiting"} 3.0' in lines
-    assert 'pdserve_worker_counters{name="retractions"} 2.0' in lines
-    assert 'pdserve_worker_counters_nested{name="a"} 1.0' in lines
-    assert 'pdserve_worker_transfer_seconds_bucket{le="1.0"} 4.0' in lines
-    assert 'pdserve_worker_transfer_seconds_bucket{le="+Inf"} 5.0' in lines
-    assert not any("model_path" in ln or "ready" in ln for ln in lines)  # strings and bools skipped
+def _decode_stats() -> WorkerStats:
+    return WorkerStats(
+        queues={"waiting": 3, "running": 1}, kv=KVStats(used_tokens=12, total_tokens=64, host_used_pages=0, usage=0.19),
+        prefix=PrefixCacheStats(cached_tokens=4, hit_tokens=8), counters=Counters(retractions=2, reloads=1),
+        running_requests=1, active_rooms=0, time=5.0,
+        transfer=TransferTotals(bytes=100, rooms_succeeded=2, rooms_failed=1, reused_bytes=50,
+                                seconds=Histo(le=[0.1, 1.0], counts=[1, 4], sum=2.5, count=5)),
+        link=LinkStats(receivers=0, peers=1, background_passes=7, control_dropped={"undecodable": 1}))
+
+
+def test_worker_stats_rendered_typed() -> None:
+    out = StatsOut(token=1, info={"ready": True, "model_path": "/m", "max_total_tokens": 64}, stats=_decode_stats())
+    lines = render_worker_stats(out)
+    for line in ("pdserve_worker_kv_used_tokens 12.0", 'pdserve_worker_queues{name="waiting"} 3.0',
+                 "pdserve_worker_kv_usage 0.19", "pdserve_worker_running_requests 1.0",
+                 "pdserve_worker_max_total_tokens 64.0", "pdserve_worker_prefix_cached_tokens 4.0",
+                 "# TYPE pdserve_worker_retractions_total counter", "pdserve_worker_retractions_total 2.0",
+                 "pdserve_worker_prefix_hit_tokens_total 8.0", "pdserve_worker_transfer_bytes_total 100.0",
+                 "pdserve_worker_transfer_bytes_reused_total 50.0",
+                 'pdserve_worker_transfer_rooms_total{name="failed"} 1.0', 'pdserve_worker_transfer{name="peers"} 1.0',
+                 'pdserve_worker_transfer_control_dropped_total{name="undecodable"} 1.0',
+                 "pdserve_worker_transfer_background_passes_total 7.0",
+                 'pdserve_worker_transfer_seconds_bucket{le="1.0"} 4.0',
+                 'pdserve_worker_transfer_seconds_bucket{le="+Inf"} 5.0'):
+        assert line in lines, line
+    # a role's missing parts render nothing; strings and bools of the description are no metrics
+    assert not any(ln.startswith(("pdserve_worker_queued_prompt_tokens", "pdserve_worker_forward_tokens",
+                                  "pdserve_worker_counters", "pdserve_worker_transfer_prefix_refusals"))
+                   for ln in lines)
+    assert not any(ln.startswith(("pdserve_worker_model_path", "pdserve_worker_ready")) for ln in lines)
+    # each metric has one declared type: every sample belongs to a family with a TYPE line
+    types = {ln.split()[2]: ln.split()[3] for ln in lines if ln.startswith("# TYPE")}
+    assert all(t == "counter" for n, t in types.items() if n.endswith("_total"))
+    assert all(n.endswith("_total") for n, t in types.items() if t == "counter")
+    assert len({m.name for m in WORKER_METRICS}) == len(WORKER_METRICS)
+
+
+def test_stats_out_round_trip_and_server_info_shape() -> None:
+    out = StatsOut(token=3, info={"role": "decode", "page_size": 16}, stats=_decode_stats())
+    assert decode(encode(out)) == out
+    st = internal_state(out.info, out.stats)
+    assert st["role"] == "decode" and st["queues"] == {"waiting": 3, "running": 1}
+    assert st["counters"] == {"retractions": 2, "reloads": 1}
+    assert st["kv_used_tokens"] == 12 and st["kv_usage"] == 0.19 and st["host_kv_used_pages"] == 0
+    assert st["transfer_rooms"] == {"succeeded": 2, "failed": 1} and st["transfer_bytes_reused_total"] == 50
+    assert st["histograms"]["transfer_seconds"] == {"le": [0.1, 1.0], "counts": [1, 4], "sum": 2.5, "count": 5}
+    assert st["transfer"]["control_dropped"] == {"undecodable": 1} and "senders" not in st["transfer"]
+    assert st["prefix_hit_tokens"] == 8 and st["time"] == 5.0 and "queued_prompt_tokens" not in st
 
 
 class CharTok:
@@ -107,3 +157,18 @@ def test_chat_stream_chunks() -> None:
     assert objs[2]["choices"][0]["finish_reason"] == "length"
     assert objs[3]["choices"] == [] and objs[3]["usage"]["total_tokens"] == 4
     assert all(o["object"] == "chat.completion.chunk" for o in objs)
+
+
+def test_dashboard_worker_queries_use_declared_metrics_by_type() -> None:
+    """Every pdserve_worker_* series the Grafana dashboard reads is declared in WORKER_METRICS (or is
+    the frontend's pdserve_worker_up), and rate() is only taken of counters and histogram buckets.
+    (The slow integration test also checks the names against live services' /metrics.)"""
+    dash = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/pdserve-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    kinds = {m.name: m.kind for m in WORKER_METRICS} | {"pdserve_worker_up": "gauge"}
+    kinds |= {m.name + "_bucket": "bucket" for m in WORKER_METRICS if m.kind == "histogram"}
+    for e in exprs:
+        for name in re.findall(r"\bpdserve_worker_[a-z0-9_]+", e):
+            assert name in kinds, f"{name} in {e!r} is not a declared worker metric"
+        for name in re.findall(r"\brate\((pdserve_worker_[a-z0-9_]+)", e):
+            assert kinds[name] in ("counter", "bucket"), f"rate() of the {kinds[name]} {name} in {e!r}"

@@ -125,7 +125,8 @@ def test_info_endpoints(colo: Service) -> None:
     r = c.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain")
     assert 'pdserve_worker_queues{name="running"}' in r.text
-    assert "pdserve_worker_stub_step_seconds_bucket" in r.text and "pdserve_worker_up 1" in r.text
+    assert "pdserve_worker_transfer_seconds_bucket" in r.text and "pdserve_worker_up 1" in r.text
+    assert "# TYPE pdserve_worker_retractions_total counter" in r.text
 
 
 def test_generate_native(colo: Service, tok) -> None:  # noqa: ANN001

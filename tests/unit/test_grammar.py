@@ -150,7 +150,7 @@ def test_matcher_continues_past_resumed_and_first_tokens(model_dir: Path, tok) -
     rows = torch.zeros(2, 49152)
     rows[:, tok.encode("no", add_special_tokens=False)[0]] = 5.0  # the model would rather say "no"
     moved = Req("a", [7, 8, *done], sp, resumed_tokens=len(done))
-    decode = Req("b", [7, 8], sp, output_ids=list(done))
+    decode = Req("b", [7, 8, *done], sp, num_prompt_tokens=2)
     picked = sampler.sample(rows, [moved, decode])
     for t in picked:
         assert any(c.startswith(tok.decode([t])) for c in ("red", "blue")) and tok.decode([t])

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.chaosnet import BEGIN, END, SCENARIOS, _problems, build_parser, main, table, write_doc
+from loadtest.chaosnet import (
+    BEGIN,
+    END,
+    SCENARIOS,
+    _problems,
+    build_parser,
+    main,
+    retraction_counters,
+    table,
+    write_doc,
+)
 
 KILL = SCENARIOS[0]
 OVER = next(s for s in SCENARIOS if s.fault == "oversubscribe")
@@ -48,3 +58,11 @@ def test_cli_rejects_unknown_scenarios(capsys):
     with pytest.raises(SystemExit):
         main(["--out", "x", "--scenarios", "kill-decode,nope"])
     assert "unknown scenarios ['nope']" in capsys.readouterr().err
+
+
+def test_retraction_counters_read_either_metric_name():
+    typed = "pdserve_worker_retractions_total 3\npdserve_worker_reloads_total 2\n"
+    old = 'pdserve_worker_counters{name="retractions"} 4\npdserve_worker_counters{name="reloads"} 1\n'
+    assert retraction_counters(typed) == {"retractions": 3, "reloads": 2}
+    assert all(type(v) is int for v in retraction_counters(typed).values())  # the table prints them
+    assert retraction_counters(old) == {"retractions": 4, "reloads": 1}

@@ -148,15 +148,15 @@ def test_lm_head_rows_only_where_asked() -> None:
     """The logits each extend chunk asks the runner for (16-token chunks of a 21-token prompt)."""
     from engine.batch import ExtendItem, _logit_rows
     from engine.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
-    from engine.request import Req
+    from engine.request import KVState, LogprobState, Req
 
     def rows(kv_len: int, n: int, **kw) -> tuple[int, int]:  # noqa: ANN003
-        return _logit_rows(ExtendItem(Req("r", PROMPT, SP, kv_len=kv_len, **kw), n))
+        return _logit_rows(ExtendItem(Req("r", PROMPT, SP, kv=KVState(kv_len=kv_len), logprobs=LogprobState(**kw)), n))
 
     assert rows(0, 16) == (LOGITS_NONE, 0) and rows(16, 5) == (LOGITS_LAST, 0)  # not asked: the last row
-    assert rows(0, 16, return_logprob=True) == (LOGITS_NONE, 0)  # output logprobs only
-    assert rows(16, 5, return_logprob=True, logprob_start_len=-1) == (LOGITS_LAST, 0)
-    start = {"return_logprob": True, "logprob_start_len": 13}  # rows of positions 12.. are needed
+    assert rows(0, 16, on=True) == (LOGITS_NONE, 0)  # output logprobs only
+    assert rows(16, 5, on=True, start_len=-1) == (LOGITS_LAST, 0)
+    start = {"on": True, "start_len": 13}  # rows of positions 12.. are needed
     assert rows(0, 16, **start) == (LOGITS_ALL, 12) and rows(16, 5, **start) == (LOGITS_ALL, 0)
-    late = {"return_logprob": True, "logprob_start_len": 20}
+    late = {"on": True, "start_len": 20}
     assert rows(0, 16, **late) == (LOGITS_NONE, 0) and rows(16, 5, **late) == (LOGITS_ALL, 3)

@@ -11,7 +11,7 @@ from router.app import create_app
 from router.config import RouterConfig
 
 ENDPOINTS = {"/v1/chat/completions": "ChatCompletion", "/v1/completions": "Completion", "/generate": "Generate"}
-ERRORS = {"400", "401", "404", "413", "429", "503"}
+ERRORS = {"400", "401", "404", "413", "429", "499", "500", "502", "503", "504"}
 
 
 def check_openapi(doc: dict) -> None:
@@ -23,7 +23,9 @@ def check_openapi(doc: dict) -> None:
         assert ERRORS <= set(op["responses"]), (path, sorted(op["responses"]))
         assert "422" not in op["responses"]  # FastAPI validates nothing on these routes
         ok = op["responses"]["200"]["content"]
-        assert ok["application/json"]["schema"]["$ref"] == f"#/components/schemas/{name}Response"
+        answer = ok["application/json"]["schema"]  # /generate with n > 1: a list of results
+        refs = [answer.get("$ref")] + [a.get("$ref") or a.get("items", {}).get("$ref") for a in answer.get("anyOf", [])]
+        assert f"#/components/schemas/{name}Response" in refs, answer
         assert "text/event-stream" in ok
         for code in ERRORS:
             err = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
@@ -45,3 +47,40 @@ def test_router_openapi_documents_the_proxied_endpoints() -> None:
     # the hot path answers, not FastAPI: the router's own message for a bad body, not a pydantic one
     bad = client.post("/v1/chat/completions", json={"messages": "hi"})
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "'messages' must be a non-empty list"
+
+
+def test_the_document_shows_what_the_parser_enforces() -> None:
+    """The services parse with these models (service/protocol.py), so the limits they enforce are in the
+    schema: non-empty prompts, the ranges, the roles; and the constants agree with the engine's."""
+    from common import api_requests as ar
+    from engine.parallel import MAX_N
+    from engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_NEW_TOKENS_LIMIT
+
+    assert (ar.MAX_N, ar.MAX_NEW_TOKENS, ar.MAX_GRAMMAR_CHARS) == (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_GRAMMAR_CHARS)
+    doc = TestClient(create_app(RouterConfig())).get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert all(p.get("minLength", p.get("minItems")) == 1 for p in prompt)
+    assert schemas["GenerateRequest"]["properties"]["text"]["anyOf"][0]["minLength"] == 1
+    assert len(schemas["GenerateRequest"]["oneOf"]) == 2  # exactly one of text and input_ids
+    assert schemas["GenerateSampling"]["additionalProperties"] is False  # unknown keys are refused
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == list(ar.ROLES)
+    n = schemas["ChatCompletionRequest"]["properties"]["n"]["anyOf"][0]
+    assert (n["minimum"], n["maximum"]) == (1, MAX_N)
+
+
+def test_every_status_and_content_type_of_the_router_is_documented() -> None:
+    client = TestClient(create_app(RouterConfig()))
+    paths = client.get("/openapi.json").json()["paths"]
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")
+    admin = paths["/admin/workers"]
+    assert {"400", "401", "409"} <= set(admin["post"]["responses"]) and "requestBody" in admin["post"]
+    assert {"401", "404", "409"} <= set(admin["delete"]["responses"])
+    assert client.delete("/admin/workers", params={"url": "http://nope:1"}).status_code == 404
+    assert "503" in paths["/health"]["get"]["responses"]
+    # a method the path does not take: 405 in the error model, Allow naming every method it takes
+    r = client.options("/admin/workers")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    assert set(r.headers["allow"].split(", ")) == {"GET", "POST", "DELETE"}
+    assert client.get("/nope").json()["error"]["code"] == 404

@@ -58,7 +58,7 @@ def test_prompt_computed_once_and_pages_shared(model_dir: str, cache: bool) -> N
     done: dict[str, m.TokenOut] = {}
     collect(role.step(), tokens, done)  # the whole prompt in one chunk, four first tokens
     assert role.sched.exec.forward_tokens == len(PROMPT)
-    assert len(role.sched.running) == 4 and sorted(tokens) == ["a", "a#1", "a#2", "a#3"]
+    assert role.sched.counts().running == 4 and sorted(tokens) == ["a", "a#1", "a#2", "a#3"]
     full = len(PROMPT) // ps
     assert kv.used_tokens == (full + 4) * ps  # one copy of the full pages, a partial page per choice
     assert 4 * pages_for(len(PROMPT), ps) * ps > 2 * kv.used_tokens  # 4 requests would hold 40 pages
@@ -88,11 +88,11 @@ def test_abort_before_and_after_the_fork_frees_everything(model_dir: str) -> Non
         role.add(m.GenerateReq(rid=rid, input_ids=PROMPT + [1, 2], sampling=long, n=3))
     role.step()
     role.step()  # one prompt per step (max_prefill_tokens 64)
-    assert len(role.sched.running) == 6
+    assert role.sched.counts().running == 6
     role.abort(m.AbortReq(rid="late"))
     outs = role.step()
     aborted = [o for o in outs if o.rid == "late" and o.finish_reason == "abort"]
-    assert sorted(o.index for o in aborted) == [0, 1, 2] and len(role.sched.running) == 3
+    assert sorted(o.index for o in aborted) == [0, 1, 2] and role.sched.counts().running == 3
     role.add(m.GenerateReq(rid="queued", input_ids=list(range(5, 40)), sampling=long, n=3))
     role.abort(m.AbortReq(rid="queued"))  # before its prompt ran: its forks end with it
     outs = role.step()
@@ -121,7 +121,7 @@ def test_pd_seeded_choices_equal_colocated_and_decode_shares_pages(model_dir: st
         tokens, d_done, p_done = pair.run([PROMPT], SEEDED, on_step=watch, fields={"n": 3})
         assert tokens == colo and len(d_done) == 3 and list(p_done) == ["r0"]
         assert all(o.prompt_tokens == len(PROMPT) and o.completion_tokens == 6 for o in d_done.values())
-        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPT)  # computed once
+        assert pair.prefill.stats().counters.forward_tokens == len(PROMPT)  # computed once
         full, ps = len(PROMPT) // 4, 4
         # full pages once + per choice: the partial prompt page and the pages its 6 tokens fill
         assert peak[0] <= (full + 3 * pages_for(len(PROMPT) % ps + 6, ps)) * ps

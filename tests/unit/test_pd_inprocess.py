@@ -35,7 +35,8 @@ def test_pd_roles_in_process_match_colocated(engine_cfg: EngineConfig) -> None:
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
         assert d_tokens == want
         assert pair.p_kv.all_free() and pair.d_kv.all_free()
-        assert pair.decode.stats()["transfer_rooms"] == {"succeeded": len(PROMPTS), "failed": 0}
+        t = pair.decode.stats().transfer
+        assert t is not None and (t.rooms_succeeded, t.rooms_failed) == (len(PROMPTS), 0)
     finally:
         pair.close()
 
@@ -52,11 +53,12 @@ def test_short_prompts_are_prefilled_on_the_decode(engine_cfg: EngineConfig) -> 
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
         assert d_tokens == want
         assert all(not p_done[f"r{i}"].new_token_ids for i in (0, 2))  # the prefill sampled nothing
-        counters = pair.decode.stats()["counters"]
-        assert (counters["prefills_local"], counters["prefills_remote"]) == (2, 1)
-        assert pair.prefill.stats()["counters"]["rooms_prefilled_on_decode"] == 2
-        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1])
-        assert pair.decode.stats()["transfer_rooms"] == {"succeeded": 1, "failed": 0}
+        counters = pair.decode.stats().counters
+        assert (counters.prefills_local, counters.prefills_remote) == (2, 1)
+        assert pair.prefill.stats().counters.rooms_prefilled_on_decode == 2
+        assert pair.prefill.stats().counters.forward_tokens == len(PROMPTS[1])
+        t = pair.decode.stats().transfer
+        assert t is not None and (t.rooms_succeeded, t.rooms_failed) == (1, 0)
         assert pair.p_kv.all_free() and pair.d_kv.all_free()
         assert pair.p_mgr.active_rooms() == 0 and pair.d_mgr.active_rooms() == 0
     finally:
@@ -74,10 +76,10 @@ def test_a_busy_decode_sends_short_prompts_to_their_prefill(engine_cfg: EngineCo
         d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING)
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
         assert d_tokens == want
-        counters = pair.decode.stats()["counters"]
-        assert (counters["prefills_local"], counters["prefills_remote"], counters["prefills_remote_decode_busy"]) \
+        counters = pair.decode.stats().counters
+        assert (counters.prefills_local, counters.prefills_remote, counters.prefills_remote_decode_busy) \
             == (1, 2, 1)
-        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1]) + len(PROMPTS[2])
+        assert pair.prefill.stats().counters.forward_tokens == len(PROMPTS[1]) + len(PROMPTS[2])
         assert pair.p_kv.all_free() and pair.d_kv.all_free()
     finally:
         pair.close()
@@ -94,10 +96,10 @@ def test_a_burst_of_short_prompts_spills_over_to_the_prefill(engine_cfg: EngineC
         d_tokens, d_done, p_done = pair.run(prompts, SAMPLING)
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
         assert d_tokens == want
-        counters = pair.decode.stats()["counters"]
-        assert (counters["prefills_local"], counters["prefills_remote"], counters["prefills_remote_decode_busy"]) \
+        counters = pair.decode.stats().counters
+        assert (counters.prefills_local, counters.prefills_remote, counters.prefills_remote_decode_busy) \
             == (2, 2, 1)
-        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1]) + len(prompts[3])
+        assert pair.prefill.stats().counters.forward_tokens == len(PROMPTS[1]) + len(prompts[3])
         assert pair.p_kv.all_free() and pair.d_kv.all_free()
     finally:
         pair.close()
@@ -113,17 +115,17 @@ def test_busy_prefill_hint_prefills_on_the_decode_within_its_queue_bound(engine_
         d_tokens, d_done, p_done = pair.run(PROMPTS, SAMPLING, fields={"prefill_here": True})
         assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
         assert d_tokens == want
-        counters = pair.decode.stats()["counters"]
-        assert (counters["prefills_local"], counters["prefills_local_busy_prefill"], counters["prefills_remote"]) \
+        counters = pair.decode.stats().counters
+        assert (counters.prefills_local, counters.prefills_local_busy_prefill, counters.prefills_remote) \
             == (2, 2, 1)
-        assert pair.prefill.stats()["counters"]["forward_tokens"] == len(PROMPTS[1])
+        assert pair.prefill.stats().counters.forward_tokens == len(PROMPTS[1])
         assert pair.p_kv.all_free() and pair.d_kv.all_free()
     finally:
         pair.close()
     pair = PDPair(engine_cfg)  # local_max_queued 0: the hint is never taken
     try:
         d_tokens, _, _ = pair.run(PROMPTS, SAMPLING, fields={"prefill_here": True})
-        assert d_tokens == want and pair.decode.stats()["counters"]["prefills_remote"] == len(PROMPTS)
+        assert d_tokens == want and pair.decode.stats().counters.prefills_remote == len(PROMPTS)
     finally:
         pair.close()
 
@@ -160,7 +162,7 @@ def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: Engine
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p_mgr.bootstrap_port, "bootstrap_room": 200 + i}
             prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
             decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
-        assert prefill.stats()["queued_prompt_tokens"] == sum(map(len, PROMPTS))
+        assert prefill.stats().queued_prompt_tokens == sum(map(len, PROMPTS))
         deadline = time.monotonic() + 30
         while len(done) < len(PROMPTS):
             assert time.monotonic() < deadline, f"stuck: decode {decode.stats()}"
@@ -169,9 +171,9 @@ def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: Engine
             if not (prefill.has_work() or decode.has_work()):
                 p_mgr.idle_wait(0.002)
         assert all(o.error is None for o in done.values())
-        assert prefill.stats()["queued_prompt_tokens"] == 0
+        assert prefill.stats().queued_prompt_tokens == 0
         s = decode.stats()
-        assert s["kv_usage"] == 0 and s["running_requests"] == 0 and s["counters"]["retractions"] > 0
+        assert s.kv.usage == 0 and s.running_requests == 0 and s.counters.retractions > 0
     finally:
         prefill.close()
         decode.close()

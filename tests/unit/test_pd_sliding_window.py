@@ -49,8 +49,8 @@ def test_pd_sends_and_holds_only_the_window(models, chunk: int) -> None:
         assert tokens == want
         page_bytes = pair.d_kv.pool.page_bytes
         sent = sum(_window_pages(len(p)) for p in PROMPTS) * page_bytes
-        assert pair.decode.stats()["transfer_bytes_total"] == sent
-        assert pair.prefill.stats()["transfer_bytes_total"] == sent
+        assert pair.decode.stats().transfer.bytes == sent
+        assert pair.prefill.stats().transfer.bytes == sent
         assert sent < sum(pages_for(len(p), PAGE) for p in PROMPTS) * page_bytes / 2
         # the decode never holds more than each request's window plus the pages its tokens straddle
         bound = len(PROMPTS) * (pages_for(WINDOW + 1, PAGE) + 1)

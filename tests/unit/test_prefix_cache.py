@@ -59,7 +59,7 @@ def test_radix_evicts_least_recently_used_first() -> None:
 
 
 def test_lpm_orders_by_cached_prefix_with_aging() -> None:
-    reqs = [Req(rid=r, input_ids=[1] * 8, sampling=GREEDY, created=t) for r, t in
+    reqs = [Req(rid=r, token_ids=[1] * 8, sampling=GREEDY, created=t) for r, t in
             (("none", 1.0), ("long", 2.0), ("short", 3.0), ("old", 0.0))]
     hits = {"none": 0, "long": 64, "short": 16, "old": 0}
     order = order_waiting(reqs, "lpm", 5.0, now=4.0, prefix_len=lambda r: hits[r.rid])
@@ -84,22 +84,22 @@ def test_suffix_logits_over_cached_prefix_match_from_scratch(model_dir: str) -> 
     runner = ModelRunner(_cfg(model_dir, True))
     kv = kv_manager(runner, True)
     prefix = [(7 * i + 3) % 250 for i in range(37)]
-    first = Req(rid="a", input_ids=prefix + [1, 2], sampling=GREEDY)
-    kv.grow(first, len(first.input_ids))
-    runner.forward([Segment(first.pages, 0, first.input_ids, LOGITS_ALL)])
-    first.kv_len = len(first.input_ids)
+    first = Req(rid="a", token_ids=prefix + [1, 2], sampling=GREEDY)
+    kv.grow(first, len(first.token_ids))
+    runner.forward([Segment(first.kv.pages, 0, first.token_ids, LOGITS_ALL)])
+    first.kv.kv_len = len(first.token_ids)
     kv.release(first)  # 39 tokens: 9 full pages cached
     ids = prefix + [(11 * i) % 250 for i in range(21)]
-    req = Req(rid="b", input_ids=ids, sampling=GREEDY)
-    assert kv.match(req) == 36 and req.cached_tokens == 36
-    kv.grow(req, len(ids) - req.kv_len)
-    cached = runner.forward([Segment(req.pages, req.kv_len, ids[req.kv_len :], LOGITS_ALL)])[0]
+    req = Req(rid="b", token_ids=ids, sampling=GREEDY)
+    assert kv.match(req) == 36 and req.kv.cached_tokens == 36
+    kv.grow(req, len(ids) - req.kv.kv_len)
+    cached = runner.forward([Segment(req.kv.pages, req.kv.kv_len, ids[req.kv.kv_len :], LOGITS_ALL)])[0]
     fresh = kv.allocate(15)
     scratch = runner.forward([Segment(fresh, 0, ids, LOGITS_ALL)])[0]
     assert cached is not None and scratch is not None
     assert torch.allclose(cached, scratch[36:], atol=1e-3, rtol=0)
     kv.pool.allocator.free(fresh)
-    req.kv_len = len(ids)
+    req.kv.kv_len = len(ids)
     kv.release(req)
     kv.flush()
     assert kv.all_free()
@@ -151,7 +151,7 @@ def test_multi_turn_greedy_identical_with_cache_on_and_off(model_dir: str) -> No
             hits = [sum(o.cached_tokens for o in outs.values()) for outs in results[cache][1]]
             assert hits[1] > 0 and hits[2] > hits[1]  # later turns reuse their history
             assert kv.hit_tokens == sum(hits)
-            assert role.stats()["kv_used_tokens"] == 0 and role.stats()["prefix_cached_tokens"] > 0
+            assert role.stats().kv.used_tokens == 0 and role.stats().prefix.cached_tokens > 0
             kv.flush()
         assert kv.all_free()
     assert results[True][0] == results[False][0]
@@ -183,14 +183,14 @@ def test_abort_of_a_cache_hit_releases_its_locks(model_dir: str) -> None:
     kv = kv_manager(runner, True)
     sched = Scheduler(runner, cfg, kv)
     ids = list(range(1, 30))
-    first = Req(rid="a", input_ids=ids, sampling=GREEDY)
+    first = Req(rid="a", token_ids=ids, sampling=GREEDY)
     sched.add(first)
     while not first.finished:
         sched.step()
-    second = Req(rid="b", input_ids=ids + [7, 8, 9], sampling=SamplingParams(temperature=0.0, max_new_tokens=50))
+    second = Req(rid="b", token_ids=ids + [7, 8, 9], sampling=SamplingParams(temperature=0.0, max_new_tokens=50))
     sched.add(second)
     sched.step()
-    assert second.cached_tokens == 28 and second.prefix_node is not None
+    assert second.kv.cached_tokens == 28 and second.kv.prefix_node is not None
     assert kv.cache is not None and kv.cache.evictable_pages < kv.cache.cached_pages  # its path is locked
     assert sched.abort("b") == 1
     assert kv.cache.evictable_pages == kv.cache.cached_pages and kv.used_tokens == 0
@@ -215,7 +215,7 @@ def test_pd_prefill_cache_sends_the_whole_prompt(model_dir: str) -> None:
             assert tokens == want
             cached = [d_done[f"r{j}"].cached_tokens for j in range(len(prompts))]
             assert cached == ([0, 0] if i == 0 else [40, 24])
-        assert pair.decode.stats()["transfer_bytes_total"] == pair.prefill.stats()["transfer_bytes_total"]
+        assert pair.decode.stats().transfer.bytes == pair.prefill.stats().transfer.bytes
         assert pair.p_kv.used_tokens == 0 and pair.d_kv.all_free()
         assert pair.p_kv.flush() > 0 and pair.p_kv.all_free()
     finally:

@@ -288,3 +288,25 @@ def test_a_resumed_stream_tells_the_sampler_how_many_prompt_ids_were_output() ->
     p = parse_completion(body, TOK, COLO)
     assert p.req.resumed_tokens == 3 and p.req.input_ids[-3:] == [7, 8, 9]
     assert (p.req.sampling.max_new_tokens, p.req.sampling.min_new_tokens) == (7, 2)
+
+
+def test_nulls_mean_not_given_as_the_document_allows() -> None:
+    """Bodies the schemathesis run on the router's document sent: null for every optional field."""
+    from router.protocol import parse_request
+
+    gen = {"input_ids": [1], "text": None, "sampling_params": None, "stream": None, "rid": None,
+           "return_logprob": None, "top_logprobs_num": None, "logprob_start_len": None}
+    assert parse_generate(gen, TOK, COLO).req.input_ids == [1]
+    assert parse_request("/generate", gen).max_new_tokens == 128 and not parse_request("/generate", gen).stream
+    chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": None}, {"role": "user", "content": "x"}],
+            "stream": None, "stream_options": None, "n": None, "tools": None, "tool_choice": None, "logprobs": None}
+    assert parse_chat(chat, TOK, COLO).req.n == 1
+
+
+def test_a_capped_budget_keeps_the_params_valid() -> None:
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=100, min_new_tokens=80)
+    assert sp.within(200) is sp
+    capped = sp.within(50)
+    assert (capped.max_new_tokens, capped.min_new_tokens) == (50, 50) and sp.max_new_tokens == 100

@@ -31,6 +31,18 @@ class R:
     resumed_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def token_ids(self) -> list[int]:  # engine.request.Req keeps one list: prompt then output
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
 
 def _logits(seed: int = 0) -> torch.Tensor:
     return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3

@@ -14,8 +14,8 @@ SP = SamplingParams(max_new_tokens=4)
 
 
 def _req(rid: str, n: int, created: float, kv_len: int = 0) -> Req:
-    r = Req(rid=rid, input_ids=list(range(1, n + 1)), sampling=SP, created=created)
-    r.kv_len = kv_len
+    r = Req(rid=rid, token_ids=list(range(1, n + 1)), sampling=SP, created=created)
+    r.kv.kv_len = kv_len
     return r
 
 

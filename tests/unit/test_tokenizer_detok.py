@@ -7,7 +7,14 @@ import random
 import pytest
 
 from engine.config import EMBEDDED_MODEL
-from service.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextStream, Tokenizer, load_tokenizer
+from service.tokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    PromptTooLong,
+    TextStream,
+    Tokenizer,
+    load_tokenizer,
+)
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -89,3 +96,24 @@ def test_chat_template_renders_chatml(tok: Tokenizer) -> None:
     text = tok.decode(ids, skip_special_tokens=False)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.eos_token_id == 2 and tok.vocab_size >= 49152
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(tok: Tokenizer, text: str) -> None:
+    """The Rust fast path (encode_batch, which lets the event loop run) gives transformers' ids."""
+    assert tok.encode(text) == list(tok._tok.encode(text, add_special_tokens=False))
+
+
+def test_bounded_view_refuses_only_texts_that_cannot_fit(tok: Tokenizer) -> None:
+    bound = tok.max_token_chars
+    assert bound is not None  # byte-level BPE, no normalizer: the safe bound applies
+    longest = max(tok._tok.backend_tokenizer.get_vocab(with_added_tokens=True), key=len)
+    densest = tok.decode(tok._tok.convert_tokens_to_ids([longest]) * 50, skip_special_tokens=False)
+    n = len(tok.encode(densest))  # the most characters per token this vocabulary allows
+    assert len(densest) <= n * bound
+    assert tok.bounded(n).encode(densest) == tok.encode(densest)  # it fits exactly: never refused early
+    with pytest.raises(PromptTooLong, match="at least"):
+        tok.bounded(10).encode("x" * (10 * bound + 1))
+    with pytest.raises(PromptTooLong):
+        tok.bounded(10).apply_chat_template([{"role": "user", "content": "y" * (10 * bound)}])
+    assert tok.max_tokens is None  # the view is a copy; the shared tokenizer stays unbounded

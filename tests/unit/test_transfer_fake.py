@@ -62,14 +62,14 @@ def test_full_lifecycle_states_in_order(pair):
     s.release()
     r.release()
     assert p.active_rooms() == 0 and d.active_rooms() == 0
-    assert p.stats()["pending_sends"] == 0 and d.stats()["pending_recvs"] == 0
+    assert p.stats().pending_sends == 0 and d.stats().pending_recvs == 0
 
 
 def test_early_transfer_info_is_buffered(pair):
     p, d, addr = pair
     r = d.create_receiver(8, addr, [1])
     pump([p, d], lambda: r.poll() == KVPoll.WAITING_FOR_INPUT)
-    assert p.stats()["early_infos"] == 1
+    assert p.stats().early_infos == 1
     s = p.create_sender(8)
     assert s.poll() == KVPoll.WAITING_FOR_INPUT and s.num_dst_pages == 1
     s.send([2], is_last=True)
@@ -185,7 +185,7 @@ def test_declined_room_ends_on_the_prefill_without_data(pair, decline_first):
     p, d, addr = pair
     if decline_first:
         d.decline_room(11, addr)
-        pump([p, d], lambda: p.stats()["early_infos"] == 1)
+        pump([p, d], lambda: p.stats().early_infos == 1)
     s = p.create_sender(11)
     if not decline_first:
         d.decline_room(11, addr)
@@ -210,7 +210,7 @@ def test_cached_prefix_skips_pages_or_is_refused(pair, early):
     def open_room(room: int, cached: list[int], dst: list[int]):
         if early:
             r = d.create_receiver(room, addr, dst, cached)
-            pump([p, d], lambda: p.stats()["early_infos"] == 1)
+            pump([p, d], lambda: p.stats().early_infos == 1)
             return p.create_sender(room, prompt), r
         s = p.create_sender(room, prompt)
         return s, d.create_receiver(room, addr, dst, cached)
@@ -226,7 +226,7 @@ def test_cached_prefix_skips_pages_or_is_refused(pair, early):
     s, r = open_room(2, other[:8], [5])
     pump([p, d], lambda: r.poll() == KVPoll.FAILED)
     assert r.error is not None and r.error.code == ErrorCode.PREFIX_MISMATCH and "hash mismatch" in r.error.message
-    assert s.poll() == KVPoll.BOOTSTRAPPING and p.stats()["prefix_refusals"] == 1
+    assert s.poll() == KVPoll.BOOTSTRAPPING and p.stats().prefix_refusals == 1
     r.release()
     r = d.create_receiver(2, addr, [5, 6, 7])
     pump([p, d], lambda: s.poll() == KVPoll.WAITING_FOR_INPUT)

@@ -14,7 +14,9 @@ import pytest
 import torch
 import zmq
 
-from service.metrics import render_worker_info
+from service.messages import StatsOut
+from service.metrics import render_worker_stats
+from service.stats import WorkerStats
 from transfer import CompatInfo, KVPoll, TransferConfig, TransferManager
 from transfer import messages as m
 
@@ -91,9 +93,9 @@ def test_prefill_sockets_drop_and_count_garbage(pair):
             for frame in [*forged(5, "wrong"), *forged(6, None)]:
                 sock.send(frame)
                 sent += 1
-        dropped = lambda: sum(p.stats()["control_dropped"].values())  # noqa: E731
+        dropped = lambda: sum(p.stats().control_dropped.values())  # noqa: E731
         pump([p, d], lambda: dropped() >= sent)
-        counts = p.stats()["control_dropped"]
+        counts = p.stats().control_dropped
         assert dropped() == sent, counts
         assert counts["undecodable"] == 2 * 9 and counts["version"] == 2 * 2 and counts["frames"] == 2
         assert counts["unauthorized"] >= 8
@@ -101,9 +103,9 @@ def test_prefill_sockets_drop_and_count_garbage(pair):
             raw = socket.create_connection(("127.0.0.1", port))  # raw TCP: libzmq may read it as ZMTP 1.0
             raw.sendall(random.Random(port).randbytes(4096))
             raw.close()
-        pump([p, d], lambda: sum(p.stats()["control_dropped"].values()) > sent, timeout=2.0)
+        pump([p, d], lambda: sum(p.stats().control_dropped.values()) > sent, timeout=2.0)
         assert live_s.poll() == KVPoll.WAITING_FOR_INPUT and idle_s.poll() == KVPoll.BOOTSTRAPPING
-        assert live_r.poll() == KVPoll.WAITING_FOR_INPUT and p.stats()["early_infos"] == 0
+        assert live_r.poll() == KVPoll.WAITING_FOR_INPUT and p.stats().early_infos == 0
         # the worker keeps serving: both rooms complete with the real decode
         idle_r = d.create_receiver(6, addr, [3])
         pump([p, d], lambda: idle_s.poll() == KVPoll.WAITING_FOR_INPUT)
@@ -138,8 +140,8 @@ def test_decode_sockets_drop_and_count_garbage(pair):
             n += 1
         fake.send_multipart([ident, m.encode(m.TransferInfo(9, "e", b"u", [1], 5, "h", {}, token=TOKEN))])
         n += 1  # authorized, but not a message a bootstrap server sends
-        pump([d], lambda: sum(d.stats()["control_dropped"].values()) >= n)
-        counts = d.stats()["control_dropped"]
+        pump([d], lambda: sum(d.stats().control_dropped.values()) >= n)
+        counts = d.stats().control_dropped
         assert sum(counts.values()) == n and counts["unexpected"] == 1, counts
         assert r.poll() == KVPoll.BOOTSTRAPPING
         # the same decode still serves a room from a real prefill
@@ -156,5 +158,5 @@ def test_decode_sockets_drop_and_count_garbage(pair):
 def test_dropped_counts_reach_metrics(pair):
     p, _, _ = pair
     p._side.dropped.add("undecodable", "test")
-    lines = render_worker_info({"transfer": p.stats()})
-    assert 'pdserve_worker_transfer_control_dropped{name="undecodable"} 1.0' in lines
+    lines = render_worker_stats(StatsOut(token=1, info={}, stats=WorkerStats(link=p.stats())))
+    assert 'pdserve_worker_transfer_control_dropped_total{name="undecodable"} 1.0' in lines

@@ -43,7 +43,7 @@ def test_restarted_prefill_at_same_address_serves_next_room():
         t0 = time.monotonic()
         _one_room(p2, d, addr, 2)  # before the fix: FAILED after 3 missed heartbeats (0.6 s)
         assert time.monotonic() - t0 < 0.6
-        assert d.stats()["peers"] == 1
+        assert d.stats().peers == 1
     finally:
         for m in (p, p2, d):
             if m is not None:

@@ -36,7 +36,7 @@ def test_waiting_timeout_when_kv_never_arrives():
         assert r.error.code == ErrorCode.TIMEOUT and "not complete within" in r.error.message
         assert r.error.peer_fault
         assert "not complete within" in s.error.message  # the abort carried the reason
-        assert d.stats()["pending_recvs"] == 0 and p.stats()["pending_sends"] == 0
+        assert d.stats().pending_recvs == 0 and p.stats().pending_sends == 0
     finally:
         p.close()
         d.close()
@@ -48,7 +48,7 @@ def test_early_transfer_info_expires():
         r = d.create_receiver(3, addr, [1])
         pump([p, d], lambda: r.poll() == KVPoll.FAILED)
         assert r.error.code == ErrorCode.TIMEOUT and "no prefill request" in r.error.message
-        assert p.stats()["early_infos"] == 0
+        assert p.stats().early_infos == 0
     finally:
         p.close()
         d.close()
@@ -65,7 +65,7 @@ def test_prefill_silent_fails_receiver_after_missed_heartbeats():
         assert time.monotonic() - t0 >= 0.3
         assert r.error.code == ErrorCode.PEER_LOST and "heartbeats" in r.error.message
         assert r.error.peer_fault  # a silent prefill is the prefill's fault, not the reporting decode's
-        assert d.stats()["peers"] == 0
+        assert d.stats().peers == 0
     finally:
         p.close()
         d.close()

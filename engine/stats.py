@@ -1,0 +1,36 @@
+"""Typed numbers the engine reports about itself (the service wraps them in its stats message).
+
+Plain dataclasses of ints: no torch, no service types (the engine must not import service). Each
+field says whether it is a level (may go up and down) or a total (only grows while the process
+lives); service/metrics.py declares the metric of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefixCacheStats:
+    """The radix prefix cache of one KV pool (all 0 without a cache)."""
+
+    cached_tokens: int = 0  # level: tokens of pages the cache holds
+    hit_tokens: int = 0  # total: prompt tokens served from the cache
+    evicted_tokens: int = 0  # total: tokens of pages evicted from the cache
+
+
+@dataclass
+class SchedulerStats:
+    """What a `Scheduler` reports: queue lengths and KV levels, then totals since start."""
+
+    waiting: int = 0  # level: requests queued (retracted ones included)
+    running: int = 0  # level: requests in the running batch
+    retracted: int = 0  # level: waiting requests that were retracted (KV offloaded or dropped)
+    kv_used_tokens: int = 0  # level
+    kv_total_tokens: int = 0  # level (constant: the pool's size)
+    host_kv_used_pages: int = 0  # level: pages of the host (offload) pool in use
+    retractions: int = 0  # total
+    reloads: int = 0  # total: retracted requests whose KV came back from the host pool
+    forward_tokens: int = 0  # total: tokens run through the model
+    window_freed_pages: int = 0  # total: pages freed because they slid out of every window
+    prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
