@@ -8,15 +8,11 @@ stats, the router's worker table) are exposed by custom collectors at scrape tim
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-
-from common import checks
 
 prometheus_client.disable_created_metrics()  # no *_created series: pdserve exports none
 
@@ -25,22 +21,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 __all__ = ["CONTENT_TYPE", "ITL_BUCKETS", "LATENCY_BUCKETS", "CollectorRegistry", "Histogram", "LabeledCounter",
-           "is_num", "metric_name", "render", "snapshot"]
+           "render", "snapshot"]
 
 
 def render(registry: CollectorRegistry) -> str:
     """The registry in the Prometheus text format 0.0.4."""
     return generate_latest(registry).decode()
-
-
-def metric_name(*parts: str) -> str:
-    name = re.sub(r"[^a-zA-Z0-9_:]", "_", "_".join(p for p in parts if p))
-    return name if re.match(r"[a-zA-Z_:]", name) else "_" + name
-
-
-def is_num(v: Any) -> bool:
-    """A finite JSON number (common.checks.is_num, and not inf or nan)."""
-    return checks.is_num(v) and math.isfinite(v)
 
 
 class LabeledCounter:
