@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_check.sh
 #
-# Steps: env -> install -> Triton kernels vs torch reference on CUDA -> kernel timings vs SDPA ->
+# Steps: env -> install -> Triton kernels vs torch reference on CUDA -> fused-MoE kernel -> kernel timings vs SDPA ->
 # engine oracle test in bf16 -> engine throughput (prefill tok/s, decode tok/s at batch 64) ->
 # PD end to end on the GPU (two processes).
 set -euo pipefail
@@ -137,6 +137,8 @@ export -f env_info need_imports install
 step env 30 env_info
 step install 150 install
 step kernels 150 "$PY" -m pytest tests/unit/triton -q -p no:cacheprovider
+# the fused-MoE Triton kernel compiled on the GPU (under the interpreter in CI) vs the CPU grouped path
+step moe_kernel 90 "$PY" -m pytest tests/engine/test_moe.py -k triton -q -p no:cacheprovider
 step attention_kernels 90 "$PY" benchmarks/attention_kernels.py --dtype bfloat16 \
   --out "$LOGDIR/attention_kernels.json"
 

@@ -7,7 +7,10 @@ Queues of one request:
              With the prefix cache (on unless --disable-prefix-cache), the prompt's longest cached
              page-aligned prefix (never its last token) is taken from this decode's own tree,
              locked, and pages are reserved only for the rest
-  transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout).
+  transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout);
+             with --tp > 1 each message lands in a buffer of full pages that is scattered to every
+             rank's pool, each rank its KV heads, as it lands (before the request joins running;
+             engine/tp_kv.py).
              Decode-side reuse: the TransferInfo names the cached prefix (tokens + hash) and only
              the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
              the request goes back to the head of prealloc to ask again for the whole prompt
@@ -44,10 +47,11 @@ from engine.model_runner import ModelRunner
 from engine.parallel import choices
 from engine.request import FinishReason, Req
 from engine.scheduler import Scheduler
+from engine.tp_kv import scatter
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import PDConfig, ServerConfig
-from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.pd import TransferStats, make_transfer_manager, pd_request, scatters_kv, transfer_error
 from service.stats import WorkerStats
 from service.tracing import scheduler_hook
 from service.worker import error_out, run_loop, setup_process, token_out
@@ -75,9 +79,10 @@ class DecodeRole:
         self.outbox = Outbox()  # shared with the scheduler: one drain reports both
         self.sched = Scheduler(runner, budget, kv, on_event=scheduler_hook(), outbox=self.outbox)
         self.prefills = {"local": 0, "local_busy_prefill": 0, "remote": 0, "remote_decode_busy": 0}
-        self.page_bytes = runner.pool.page_bytes
+        self.page_bytes = mgr.wire_page_bytes  # all KV heads (a TP > 1 rank 0 holds fewer)
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
+        self.staged = scatters_kv(runner)  # TP > 1: received pages are scattered to the ranks' pools
         self.tstats = TransferStats()
         self.whole: set[int] = set()  # rooms whose prefill refused our cached prefix: no reuse
         self.reuse = {"pages": 0, "refused": 0}  # pages not transferred thanks to reuse; refusals
@@ -219,7 +224,7 @@ class DecodeRole:
         kv.pages = kv.pages + self.kv.allocate(need)
         cached = r.token_ids[: kv.shared_pages * self.kv.page_size]
         try:
-            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached)
+            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached, staged=self.staged)
         except (TransferError, ValueError) as e:
             code = int(e.code) if isinstance(e, TransferError) else 400
             self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
@@ -231,6 +236,9 @@ class DecodeRole:
 
     def _poll_transfers(self) -> None:
         for room, (r, rx, t0) in list(self.transfer.items()):
+            if self.staged:  # every rank stores its heads of the pages landed so far (a collective)
+                for pages, buf in rx.landed():
+                    scatter(self.runner, pages, buf)
             st = rx.poll()
             if st == KVPoll.FAILED and rx.error is not None and rx.error.code == ErrorCode.PREFIX_MISMATCH:
                 self._ask_whole(room)

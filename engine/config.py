@@ -23,12 +23,23 @@ CPU_DEFAULT_TOKENS = 16384  # fp32 KV on the CPU: 16k tokens of the embedded mod
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(theta, scaling) from a config.json: transformers<5 keys, or >=5's `rope_parameters`."""
+    """(theta, scaling) from a config.json: transformers<5 keys, or >=5's `rope_parameters`. Scaling this
+    engine cannot compute exactly raises ValueError naming the field (engine/models/rope.py). As
+    transformers does, YaRN's original_max_position_embeddings comes from the top level when there,
+    else defaults to max_position_embeddings."""
+    from engine.models.rope import check_rope, rope_type
+
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
-    if scaling is None and params.get("rope_type", "default") != "default":
+    if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"config.json field 'rope_scaling' must be an object or null, got {scaling!r}")
+    if rope_type(scaling) == "yarn":
+        old = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling = scaling | {"original_max_position_embeddings": old or cfg.get("max_position_embeddings")}
+    check_rope(scaling)
     return float(theta), scaling
 
 
@@ -37,9 +48,10 @@ _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 def _sliding_windows(cfg: dict, mtype: str, num_layers: int) -> tuple[int, ...]:
     """Each layer's attention window in tokens (0: full causal attention), as transformers reads it:
-    a query at position p sees keys p-W+1..p. Mistral: `sliding_window` on every layer; Qwen2:
-    `use_sliding_window` from layer `max_window_layers` on, or an explicit `layer_types`. A field this
-    engine cannot run exactly raises ValueError naming it (never run approximately)."""
+    a query at position p sees keys p-W+1..p. Mistral: `sliding_window` on every layer; Qwen2, Qwen3
+    (model_type qwen*): `use_sliding_window` from layer `max_window_layers` on; or an explicit
+    `layer_types` (a family whose transformers model reads windows otherwise passes its own). A field
+    this engine cannot run exactly raises ValueError naming it (never run approximately)."""
     for key in ("attention_chunk_size", "sliding_window_pattern", "global_attn_every_n_layers"):
         if cfg.get(key):
             raise ValueError(f"config.json field {key!r} ({cfg[key]!r}) is not supported by this engine")
@@ -51,7 +63,7 @@ def _sliding_windows(cfg: dict, mtype: str, num_layers: int) -> tuple[int, ...]:
         if not isinstance(kinds, list) or len(kinds) != num_layers or any(k not in _ATTENTION_KINDS for k in kinds):
             raise ValueError(f"config.json field 'layer_types' must list {num_layers} of {_ATTENTION_KINDS}, "
                              f"got {kinds!r}")
-    elif mtype == "qwen2":
+    elif mtype.startswith("qwen"):
         use = bool(cfg.get("use_sliding_window", False)) and window is not None
         first = cfg.get("max_window_layers", num_layers)
         kinds = ["sliding_attention" if use and i >= first else "full_attention" for i in range(num_layers)]
@@ -61,6 +73,18 @@ def _sliding_windows(cfg: dict, mtype: str, num_layers: int) -> tuple[int, ...]:
         raise ValueError("config.json field 'layer_types' names sliding_attention layers but 'sliding_window' "
                          "is null")
     return tuple(window if k == "sliding_attention" else 0 for k in kinds)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP's shape (engine/models/moe.py runs it)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
+    sparse_layers: tuple[bool, ...] = ()  # per layer: True = MoE, False = the dense MLP
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     model_type: str
     sliding_windows: tuple[int, ...] = ()  # per layer, 0 = full attention; () = no layer has a window
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rope
+    moe: MoESpec | None = None  # None: every layer's MLP is dense
+    o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; Qwen2 biases q/k/v only)
 
     def window(self, layer: int) -> int:
         """Layer's attention window in tokens, 0 for full causal attention."""
@@ -94,33 +121,46 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        mtype = cfg.get("model_type", "llama")
-        if mtype not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model_type {mtype!r} is not a Llama-family model this engine runs")
-        windows = _sliding_windows(cfg, mtype, cfg["num_hidden_layers"])
-        return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            vocab_size=cfg["vocab_size"],
-            rms_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope(cfg)[0],
-            rope_scaling=_rope(cfg)[1],
-            max_position=cfg.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            model_type=mtype,
-            sliding_windows=windows if any(windows) else (),
-        )
+        """The config.json of an HF model directory, parsed by its family (engine/models/registry.py):
+        an unknown model_type, or a field the family cannot honour exactly, is a ValueError naming it."""
+        from engine.models.registry import family
+
+        raw = json.loads((Path(path) / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}/config.json is not a JSON object")
+        return family(raw.get("model_type", "llama")).config(raw)
+
+    @classmethod
+    def from_hf(cls, raw: dict, **fields: object) -> ModelConfig:
+        """The fields every family shares, from config.json `raw` (sizes, norms, rope, windows, tokens);
+        `fields` set the family's own (qkv_bias, o_bias, qk_norm, moe) or override a parsed one. A missing
+        or malformed field is a ValueError naming it."""
+        def num(key: str, default: object = None) -> int:
+            v = raw.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config.json field {key!r} must be a positive integer, got {v!r}")
+            return v
+
+        heads, layers, hidden = num("num_attention_heads"), num("num_hidden_layers"), num("hidden_size")
+        kv_heads = num("num_key_value_heads") if raw.get("num_key_value_heads") is not None else heads
+        if heads % kv_heads:
+            raise ValueError(f"config.json field 'num_key_value_heads' ({kv_heads}) must divide "
+                             f"num_attention_heads ({heads})")
+        eos = raw.get("eos_token_id")
+        mtype = raw.get("model_type", "llama")
+        windows = _sliding_windows(raw, mtype, layers)
+        theta, scaling = _rope(raw)
+        parsed = dict(
+            hidden_size=hidden, intermediate_size=num("intermediate_size"), num_layers=layers,
+            num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=num("head_dim") if raw.get("head_dim") is not None else hidden // heads,
+            vocab_size=num("vocab_size"), rms_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            rope_scaling=scaling, max_position=raw.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=False,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            model_type=mtype, sliding_windows=windows if any(windows) else ())
+        return cls(**(parsed | fields))
 
 
 @dataclass(frozen=True)
@@ -146,6 +186,12 @@ class EngineConfig:
     # tests: pools drain to 0 after each request); the colocated and prefill services turn it on
     # unless --disable-prefix-cache.
     prefix_cache: bool = False
+    # tensor parallelism (engine/tp_ranks.py): one process per rank, rank 0 drives the others
+    tp: int = 1  # ranks in the TP group
+    tp_devices: str = ""  # comma list of this node's devices by local rank ("": cuda:<base + local rank>)
+    dist_init_addr: str = ""  # HOST:PORT where rank 0 meets the others ("": a free loopback port, one node)
+    nnodes: int = 1  # nodes the TP group spans (tp / nnodes ranks on each)
+    node_rank: int = 0  # this node's index; node 0 runs rank 0 (frontend, scheduler)
 
     def __post_init__(self) -> None:
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
@@ -169,6 +215,23 @@ class EngineConfig:
         need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
              f"--schedule-policy must be fcfs, sjf or lpm, got {self.schedule_policy!r}")
         need(self.schedule_aging_s > 0, "--schedule-aging must be > 0 seconds")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        need(self.tp >= 1, f"--tp must be >= 1, got {self.tp}")
+        need(self.nnodes >= 1 and self.tp % self.nnodes == 0,
+             f"--nnodes must be >= 1 and divide --tp ({self.tp}), got {self.nnodes}")
+        need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        need(self.nnodes == 1 or bool(self.dist_init_addr),
+             "--dist-init-addr HOST:PORT (rank 0's node) is needed when --nnodes > 1")
+        if self.dist_init_addr:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                 f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        devices = [d for d in self.tp_devices.split(",") if d]
+        need(not devices or len(devices) == self.tp // self.nnodes,
+             f"--tp-devices must list {self.tp // self.nnodes} devices (one per rank on this node), "
+             f"got {self.tp_devices!r}")
 
     @property
     def num_pages(self) -> int:

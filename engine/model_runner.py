@@ -3,16 +3,24 @@ runs one forward over a list of segments (each a request's new tokens).
 
 The caller allocates pages first: a segment's request must own pages covering
 `start + len(tokens)` tokens.
+
+Tensor parallelism (`cfg.tp` > 1, engine/tp_ranks.py): every rank builds a ModelRunner holding its
+shard and its KV heads. Rank 0's (the driver's) `forward`, its pool's page copies and its host pool's
+offload/reload are broadcast to the other ranks before they run here; only rank 0 gets logits.
+`collective(name, **kwargs)` runs any registered rank op on every rank. With tp 1 nothing is sent.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from engine import tp_ranks
 from engine.attention.base import build_metadata, create_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpus import cpu_budget
@@ -36,34 +44,76 @@ class Segment:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
+    """One rank's model, KV pools and attention backend (the whole engine's with tp 1)."""
+
+    def __init__(self, cfg: EngineConfig, rank: int = 0) -> None:
         self.cfg = cfg
-        if cfg.device == "cpu" or cfg.threads > 0:
+        if cfg.tp > 1 and cfg.device == "cpu":
+            torch.set_num_threads(tp_ranks.rank_threads(cfg))
+        elif cfg.device == "cpu" or cfg.threads > 0:
             torch.set_num_threads(cfg.threads or cpu_budget())
         self.model_path: Path = resolve_model_path(cfg.model)
         self.model_cfg = ModelConfig.from_dir(self.model_path)
         mc = self.model_cfg
+        if cfg.tp > 1:
+            tp_ranks.check_model(mc, cfg.tp)
         self.context_length = cfg.context_length or mc.max_position
-        if self.context_length > mc.max_position and not mc.rope_scaling:
+        if self.context_length > mc.max_position and not mc.rope_scaling and rank == 0:
             log.warning("context length %d exceeds the model's %d", self.context_length, mc.max_position)
-        self.device = torch.device(cfg.device)
+        self.tp, self.ctrl = tp_ranks.join(cfg, rank)
+        # rank 0 of a group sends every op to the others first; None: nothing to send
+        self.driver = tp_ranks.Driver(self.ctrl) if self.ctrl is not None and self.tp.driver else None
+        if self.driver is not None:
+            atexit.register(self.close)
+        self.device = torch.device(tp_ranks.rank_device(cfg, rank))
         self.dtype = DTYPES[cfg.dtype]
-        self.model = load_model(self.model_path, mc, cfg.dtype, cfg.device, max(self.context_length, 1) + 1,
-                                cfg.cpu_gemm)
+        self.model = load_model(self.model_path, mc, cfg.dtype, str(self.device), max(self.context_length, 1) + 1,
+                                cfg.cpu_gemm, tp=self.tp)
         self.backend = create_backend(cfg.resolved_attention_backend)
-        self.pool = KVPool(cfg.num_pages, mc.num_layers, cfg.page_size, mc.num_kv_heads, mc.head_dim,
-                           self.dtype, self.device)
-        self.host_pool = HostKVPool(cfg.num_host_pages, tuple(self.pool.buffer.shape[1:]), self.dtype,
-                                    pin=self.device.type == "cuda")
+        self.pool, self.host_pool = self._pools(getattr(self.model, "local_kv_heads", mc.num_kv_heads))
         self.scale = mc.head_dim ** -0.5
+
+    def _pools(self, kv_heads: int) -> tuple[KVPool, HostKVPool]:
+        """The device pool [P, L, 2, ps, kv_heads, D] and the host pool of this rank (rank 0's of a
+        group send their page moves to the other ranks)."""
+        mc, cfg = self.model_cfg, self.cfg
+        shape = (cfg.num_pages, mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        pin = self.device.type == "cuda"
+        if self.driver is None:
+            pool = KVPool(*shape)
+            return pool, HostKVPool(cfg.num_host_pages, tuple(pool.buffer.shape[1:]), self.dtype, pin=pin)
+        pool = tp_ranks.DrivenKVPool(self.driver, *shape)
+        return pool, tp_ranks.DrivenHostKVPool(self.driver, cfg.num_host_pages, tuple(pool.buffer.shape[1:]),
+                                               self.dtype, pin=pin)
+
+    def collective(self, name: str, **kwargs: Any) -> Any:
+        """Run rank op `name` (engine.tp_ranks.rank_op) on every rank of the group (rank 0 sends it,
+        then runs it too); returns rank 0's result. Without TP it only runs here. tp_ranks.RankLost if
+        a rank is gone."""
+        if self.driver is not None:
+            self.driver.send(name, kwargs)
+        return tp_ranks.OPS[name](self, **kwargs)
+
+    def close(self) -> None:
+        """Rank 0 of a group: stop the other ranks' loops and leave the group (idempotent; a no-op
+        without TP). Called at exit too."""
+        if self.driver is not None:
+            self.driver.close()
+            tp_ranks.leave()
 
     @property
     def page_size(self) -> int:
         return self.cfg.page_size
 
     def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
-        """Run the segments as one batch. Returns per segment: fp32 logits [V] (LOGITS_LAST),
-        [n - skip, V] (LOGITS_ALL: rows of tokens skip..n-1) or None."""
+        """Run the segments as one batch (on every rank of a TP group). Returns per segment: fp32
+        logits [V] (LOGITS_LAST), [n - skip, V] (LOGITS_ALL: rows of tokens skip..n-1) or None."""
+        if self.driver is not None:
+            return self.collective("forward", segments=segments)
+        return self.run_forward(segments)
+
+    def run_forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+        """`forward` on this rank alone (the rank op); ranks other than 0 return no logits."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -104,7 +154,7 @@ class ModelRunner:
             else:
                 spans.append(None)
             off += n
-        if not rows:
+        if not rows or not self.tp.driver:
             return [None] * len(segments)
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
         out: list[torch.Tensor | None] = []
@@ -132,6 +182,7 @@ class ModelRunner:
             "host_kv_tokens": self.cfg.num_host_pages * self.page_size,
             "dtype": self.cfg.dtype,
             "device": self.cfg.device,
+            "tp": self.tp.size,
             "attention_backend": self.backend.name,
             "kv_bytes_per_token": self.pool.page_bytes // self.page_size,
         }

@@ -5,6 +5,8 @@
    in its own session, logs in --log-dir. On CPU each worker gets `--threads` = max(1, CPUs // workers)
    (CPUs: this process's affinity, capped by its cgroup quota), so N+M workers never run more compute
    threads than the machine has cores; `--threads`, or `--threads` inside --worker-args, overrides it.
+   With --prefill-tp/--decode-tp a worker runs that many rank processes (`--tp`): the CPUs are divided
+   by ranks, not workers, and on cuda each rank gets its own GPU (consecutive GPUs per worker).
 3. Wait until every worker's and the router's /health answers 200, printing progress; if a child
    exits first, print its log tail, stop the rest, exit 1.
 4. Print the URL and a curl example, then supervise the children until Ctrl-C / SIGTERM
@@ -47,6 +49,8 @@ class UpConfig:
 
     prefill: int = 1
     decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = EMBEDDED_MODEL
@@ -71,6 +75,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("--prefill and --decode must be >= 1")
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError("--prefill-tp and --decode-tp must be >= 1")
         if self.threads < 0:
             raise ValueError("--threads must be >= 0 (0: divide the CPUs among the workers)")
 
@@ -82,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill services")
     p.add_argument("--decode", type=int, default=d.decode, help="number of decode services")
+    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp,
+                   help="tensor-parallel ranks of each prefill service (its --tp: one process per rank; on cuda "
+                        "each rank takes its own GPU)")
+    p.add_argument("--decode-tp", type=int, default=d.decode_tp,
+                   help="tensor-parallel ranks of each decode service (its --tp); may differ from --prefill-tp")
     p.add_argument("--host", default=d.host, help="router bind address (workers bind 127.0.0.1)")
     p.add_argument("--port", type=int, default=d.port, help="router port")
     p.add_argument("--model", default=d.model, help="model for every worker (see pdserve prefill --help)")
@@ -98,9 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads",
         type=int,
         default=d.threads,
-        help="torch CPU threads per worker (0: divide this machine's CPUs among the workers, "
-        "max(1, CPUs // (prefill + decode)), CPUs from the affinity mask capped by the cgroup quota; "
-        "not passed when the workers compute on a GPU)",
+        help="torch CPU threads per worker rank (0: divide this machine's CPUs among the ranks, "
+        "max(1, CPUs // (prefill * prefill_tp + decode * decode_tp)), CPUs from the affinity mask capped by "
+        "the cgroup quota; not passed when the workers compute on a GPU)",
     )
     p.add_argument("--worker-args", default=d.worker_args, help="extra flags for every worker, one shell-quoted string")
     p.add_argument("--prefill-args", default=d.prefill_args,
@@ -143,6 +154,21 @@ def _devices(device: str, n: int) -> list[str]:
     return [f"cuda:{i % count}" if count > 1 else "cuda" for i in range(n)]
 
 
+def _tp_flags(device: str, tps: list[int]) -> list[list[str]]:
+    """Each worker's --device (and --tp, --tp-devices when its TP > 1): one device per worker as
+    `_devices` gives, or on cuda a run of consecutive GPUs per TP group (wrapping around)."""
+    if device == "auto" and any(t > 1 for t in tps) and _uses_gpu(device):
+        device = "cuda"
+    if device != "cuda" or all(t == 1 for t in tps):
+        return [["--device", d] + (["--tp", str(t)] if t > 1 else []) for d, t in zip(_devices(device, len(tps)), tps)]
+    gpus, out = _devices(device, sum(tps)), []
+    for t in tps:
+        mine, gpus = gpus[:t], gpus[t:]
+        out.append(["--device", mine[0]] if t == 1 else
+                   ["--device", "cuda", "--tp", str(t), "--tp-devices", ",".join(mine)])
+    return out
+
+
 def _uses_gpu(device: str) -> bool:
     if device == "auto":
         import torch
@@ -159,7 +185,7 @@ def worker_threads(a: UpConfig, extra: list[str]) -> int | None:
         return a.threads
     if _uses_gpu(a.device):
         return None
-    return threads_per_worker(a.prefill + a.decode)
+    return threads_per_worker(a.prefill * a.prefill_tp + a.decode * a.decode_tp)
 
 
 def _observability_flags(a: UpConfig) -> list[str]:
@@ -183,12 +209,13 @@ def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child
     threads = worker_threads(a, extra)
     if threads is not None:
         extra += ["--threads", str(threads)]
-        print(f"each worker computes with --threads {threads} ({cpu_budget()} CPUs, "
-              f"{a.prefill + a.decode} workers)", flush=True)
+        print(f"each worker rank computes with --threads {threads} ({cpu_budget()} CPUs, "
+              f"{a.prefill * a.prefill_tp + a.decode * a.decode_tp} ranks)", flush=True)
     roles = ["prefill"] * a.prefill + ["decode"] * a.decode
+    tps = [a.prefill_tp if role == "prefill" else a.decode_tp for role in roles]
     workers: list[Child] = []
     router_workers: list[str] = []
-    for i, (role, device) in enumerate(zip(roles, _devices(a.device, len(roles)))):
+    for i, (role, placement) in enumerate(zip(roles, _tp_flags(a.device, tps))):
         port = free_port()
         argv = [
             *base,
@@ -197,8 +224,7 @@ def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child
             str(port),
             "--model",
             a.model,
-            "--device",
-            device,
+            *placement,
             "--internal-token-file",
             str(token_file),
             *extra,

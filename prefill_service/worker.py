@@ -9,7 +9,9 @@ Queues of one request (a room):
              the --schedule-policy order (sjf: shortest prompt first, aging bound), each new prompt
              taking its longest cached prefix's pages (locked until the room ends), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
-             the next chunk computes); the last chunk sends the remaining pages plus metadata
+             the next chunk computes; with --tp > 1 they are first gathered from the ranks into
+             full pages, all KV heads, on this thread: engine/tp_kv.py); the last chunk sends the
+             remaining pages plus metadata
              (first token, its logprob and top alternatives, room; with n > 1 every choice's first
              token, sampled from the same last row: `fork_meta`). Sliding-window models send only
              the last window.
@@ -43,10 +45,11 @@ from engine.lifecycle import Outbox, finish_request
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Req
 from engine.scheduler import ExtendPlanner, make_executor, order_waiting
+from engine.tp_kv import gather
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
-from service.pd import TransferStats, make_transfer_manager, pd_request, transfer_error
+from service.pd import TransferStats, gathers_kv, make_transfer_manager, pd_request, transfer_error
 from service.stats import Counters, KVStats, WorkerStats
 from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVSender, TransferError, TransferManager
@@ -71,7 +74,8 @@ class PrefillRole:
         self.runner, self.kv, self.mgr, self.cfg = runner, kv, mgr, cfg
         self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
-        self.page_bytes = runner.pool.page_bytes
+        self.page_bytes = mgr.wire_page_bytes  # all KV heads (a TP > 1 rank 0 holds fewer)
+        self.gather = gathers_kv(runner)  # TP > 1: chunks are gathered from the ranks into full pages
         self.bootstrap: list[Room] = []
         self.waiting: deque[Room] = deque()
         self.inflight: list[Room] = []
@@ -174,7 +178,7 @@ class PrefillRole:
                     meta["first_top_logprobs"] = list(r.logprobs.output_top[0])
                 if r.choice.forks:  # n > 1: every other choice's first token, sampled from the same row
                     meta.update(fork_meta(r))
-                room.sender.send(r.kv.pages[room.sent_pages :], True, meta)
+                self._send(room, r.kv.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.kv.pages)
                 room.t_last_sent = time.monotonic()
                 self.waiting.remove(room)
@@ -182,7 +186,7 @@ class PrefillRole:
             else:
                 full = r.kv.kv_len // self.kv.page_size
                 if full > room.sent_pages:
-                    room.sender.send(r.kv.pages[room.sent_pages : full], False)
+                    self._send(room, r.kv.pages[room.sent_pages : full], False)
                     room.sent_pages = full
             self.kv.trim(r)  # sliding window: only pages before room.first_page go, never a sent one
         except (ValueError, TransferError) as e:  # the room failed between poll and send
@@ -191,6 +195,12 @@ class PrefillRole:
             else:
                 room.sender.abort(str(e))
                 self._end(room, FinishReason.ERROR, f"KV send failed: {e}", 500)
+
+    def _send(self, room: Room, pages: list[int], is_last: bool, meta: dict | None = None) -> None:
+        """Queue pages for the room's decode; TP > 1: gathered from every rank into full wire pages
+        first (a collective, here on the worker thread, never on the transfer progress thread)."""
+        data = gather(self.runner, pages) if self.gather and pages else None
+        room.sender.send(pages, is_last, meta, data=data)
 
     def _poll_inflight(self) -> None:
         for room in list(self.inflight):

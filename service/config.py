@@ -144,7 +144,9 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its "
                         "cgroup CPU quota, so a container's limit is respected; `pdserve up` instead divides "
-                        "the machine's CPUs among the workers it starts). Ignored for GPU compute")
+                        "the machine's CPUs among the workers it starts). Ignored for GPU compute. With --tp: "
+                        "per rank (0: this node's CPUs split across its ranks)")
+    _add_tp_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     s.add_argument("--port", type=int, default=30000, help="HTTP port")
@@ -202,6 +204,28 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                                 "under an SLO in docs/benchmarks.md). 0: no bound")
         t.add_argument("--cluster-token-file", default=None,
                        help="file holding a shared token; control messages without it are refused")
+
+
+def _add_tp_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism flags (engine/tp_ranks.py; SGLang's names for the multi-node ones)."""
+    g = p.add_argument_group(
+        "tensor parallelism",
+        "one process per rank; rank 0 is this service's worker (scheduler, sampling, transfer control), the "
+        "others run their model shard. One node: `--tp 2`. Across nodes (e.g. a LeaderWorkerSet): the same "
+        "command on every node with --nnodes N --node-rank I --dist-init-addr LEADER:PORT; node 0 serves HTTP, "
+        "the others run only their ranks")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (the model's heads and MLP split across them; KV heads replicated "
+                        "when there are fewer than ranks). Each CUDA rank needs its own GPU")
+    g.add_argument("--tp-devices", default="",
+                   help="comma list of this node's devices, one per local rank (default: cuda:N+i for --device "
+                        "cuda:N, cuda:i for --device cuda; cpu for every rank on the CPU)")
+    g.add_argument("--dist-init-addr", default="",
+                   help="HOST:PORT where the ranks meet (torch.distributed rendezvous at rank 0; default: a free "
+                        "loopback port; needed with --nnodes > 1)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the TP group spans (--tp / --nnodes ranks on each)")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index in 0..nnodes-1; 0 runs the frontend and rank 0, others only their ranks")
 
 
 def resolve_device(device: str) -> str:

@@ -10,6 +10,12 @@
       5. SIGTERM/SIGINT: drain (health 503, new requests 503, in-flight ones finish within the
          grace period), stop uvicorn, stop the worker, exit 0
 
+Tensor parallelism (--tp N, engine/tp_ranks.py): the worker is rank 0; this process also starts this
+node's ranks 1..N-1 (their own `spawn` processes, rendezvous at --dist-init-addr, default a free
+loopback port). A rank process that exits takes the service down: pending requests get 503, the others
+are stopped and the service exits 1, so its supervisor (`pdserve up`, Kubernetes) starts the group
+afresh. With --node-rank > 0 no frontend runs: `serve_ranks` runs this node's ranks until one exits.
+
 zmq layout: service.channels (the worker binds `to_worker`, the frontend binds `to_frontend`, each
 connects a PUSH to the other's).
 """
@@ -28,6 +34,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +74,62 @@ def _stop_worker(proc: mp.process.BaseProcess, timeout: float = 10.0) -> None:
         proc.join(5)
 
 
+def _stop_all(procs: list[mp.process.BaseProcess]) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL after 10 s)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        _stop_worker(p)
+
+
+def _tp_ready(config: ServerConfig, model_dir: Path) -> ServerConfig:
+    """The config with a rendezvous address when --tp > 1 needs one; ValueError naming the config.json
+    field the group cannot shard (before any process starts)."""
+    from engine.config import ModelConfig
+    from engine.tp_ranks import check_model
+
+    eng = config.engine
+    if eng.tp == 1:
+        return config
+    check_model(ModelConfig.from_dir(model_dir), eng.tp)
+    if not eng.dist_init_addr:
+        from common.procs import free_port
+
+        eng = dataclasses.replace(eng, dist_init_addr=f"127.0.0.1:{free_port()}")
+    return dataclasses.replace(config, engine=eng)
+
+
+def _run_rank(config: ServerConfig, rank: int) -> None:
+    """Entry of a rank > 0 process of a service: its logging, then engine.tp_ranks.run_rank."""
+    from engine.tp_ranks import run_rank
+
+    setup_logging(config.log_level, config.log_format, f"{config.role}-rank{rank}")
+    run_rank(config.engine, rank)
+
+
+def _spawn_ranks(config: ServerConfig) -> list[mp.process.BaseProcess]:
+    from engine.tp_ranks import spawn_ranks
+
+    procs = spawn_ranks(config.engine, _run_rank, (config,))
+    for p in procs:
+        log.info("%s tensor-parallel %s started: pid %s", config.role, p.name, p.pid)
+    return procs
+
+
+def serve_ranks(config: ServerConfig) -> int:
+    """--node-rank > 0: run this node's ranks (no frontend) until one exits; stop the rest; exit 1
+    (0 when every rank was stopped by rank 0)."""
+    procs = _spawn_ranks(config)
+    try:
+        wait([p.sentinel for p in procs])
+    finally:
+        _stop_all(procs)
+    codes = [p.exitcode for p in procs]
+    log.info("%s node %d: ranks exited with %s", config.role, config.engine.node_rank, codes)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def serve(config: ServerConfig, worker_entry: WorkerEntry,
           drain_grace_s: float = DEFAULT_DRAIN_GRACE_S) -> int:
     """Run a service (frontend in this process, worker in a child) until SIGTERM; returns the exit code."""
@@ -77,41 +140,49 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
     tracing.setup(f"pdserve-{config.role}", config.otlp_endpoint)
     try:
         model_dir = resolve_model_path(config.engine.model)
+        config = _tp_ready(config, model_dir)
     except (ValueError, FileNotFoundError) as e:
         log.error("%s", e)
         return 2
+    if config.engine.node_rank > 0:
+        return serve_ranks(config)
     with _ipc_dir(config) as ipc_dir:
         config = dataclasses.replace(config, ipc_dir=ipc_dir)
         proc = mp.get_context("spawn").Process(target=worker_entry, args=(config,),
                                                name=f"pdserve-{config.role}-worker")
         proc.start()
         log.info("%s worker started: pid %s, ipc %s", config.role, proc.pid, ipc_dir)
+        procs = [proc]
         try:
+            procs += _spawn_ranks(config)
             tokenizer = load_tokenizer(model_dir)
-            return asyncio.run(_serve_async(config, proc, tokenizer, str(model_dir), drain_grace_s))
+            return asyncio.run(_serve_async(config, procs, tokenizer, str(model_dir), drain_grace_s))
         finally:
-            _stop_worker(proc)
+            _stop_all(procs)
             tracing.shutdown()
             log.info("%s service stopped", config.role)
 
 
-async def _watch_worker(proc: mp.process.BaseProcess, bridge: WorkerBridge,
+async def _watch_worker(procs: list[mp.process.BaseProcess], bridge: WorkerBridge,
                         on_dead: Callable[[], None]) -> None:
-    while proc.is_alive():
+    """Wait until the worker (procs[0]) or a tensor-parallel rank exits; fail pending requests."""
+    while all(p.is_alive() for p in procs):
         await asyncio.sleep(0.2)
-    reason = f"worker process exited (code {proc.exitcode})"
+    gone = next(p for p in procs if not p.is_alive())
+    what = "worker process" if gone is procs[0] else f"tensor-parallel rank process {gone.name}"
+    reason = f"{what} exited (code {gone.exitcode})"
     log.error("%s; failing pending requests with 503", reason)
     bridge.fail_all(reason)
     on_dead()
 
 
-async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, tokenizer: Any,
+async def _serve_async(config: ServerConfig, procs: list[mp.process.BaseProcess], tokenizer: Any,
                        model_dir: str, drain_grace_s: float) -> int:
     from service.frontend import FrontendState, create_app
 
     bridge = WorkerBridge(config.endpoints)
     state = FrontendState(config=config, bridge=bridge, tokenizer=tokenizer, model_dir=model_dir,
-                          worker_pid=proc.pid or 0)
+                          worker_pid=procs[0].pid or 0)
     vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
     if isinstance(vocab, int):
         state.warm_grammars(vocab)
@@ -124,6 +195,13 @@ async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, token
         nonlocal exit_code
         if not bridge.ready.is_set() and not state.draining:
             log.error("the worker died before it was ready; exiting")
+            exit_code = 1
+            server.should_exit = True
+        elif config.engine.tp > 1 and not state.draining:  # a TP group that lost a rank cannot serve again
+            log.error("the tensor-parallel group lost a process; stopping the others and exiting")
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
             exit_code = 1
             server.should_exit = True
 
@@ -140,7 +218,7 @@ async def _serve_async(config: ServerConfig, proc: mp.process.BaseProcess, token
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    tasks = [loop.create_task(bridge.run()), loop.create_task(_watch_worker(proc, bridge, worker_dead))]
+    tasks = [loop.create_task(bridge.run()), loop.create_task(_watch_worker(procs, bridge, worker_dead))]
     try:
         await server.serve()
         if not server.started:

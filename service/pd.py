@@ -1,5 +1,6 @@
 """Pieces the prefill and decode workers share: the transfer manager of a worker, the KV
-compatibility record, the worker-side admission of a PD request and the transfer metrics.
+compatibility record (with the side's TP), whether a TP > 1 side stages its pages (`gathers_kv`,
+`scatters_kv`), the worker-side admission of a PD request and the transfer metrics.
 
 Services never import each other; both import this.
 """
@@ -10,6 +11,7 @@ from common.metrics import Histogram
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.tp import SINGLE, TPGroup
 from service import messages as m
 from service.config import ServerConfig
 from service.stats import Histo, TransferTotals
@@ -21,11 +23,29 @@ TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 
 
 def compat_info(runner: ModelRunner) -> CompatInfo:
+    """What this worker's wire page holds: the model's canonical page (all KV heads), and its TP."""
     mc = runner.model_cfg
     return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
                       dtype=runner.cfg.dtype, page_size=runner.page_size, kv_layout=KV_LAYOUT,
                       num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      window=mc.max_window)
+                      window=mc.max_window, tp=_tp(runner).size)
+
+
+def _tp(runner: ModelRunner) -> TPGroup:
+    return getattr(runner, "tp", SINGLE)  # a test's stand-in runner may have no group
+
+
+def gathers_kv(runner: ModelRunner) -> bool:
+    """Prefill: rank 0's pool lacks some KV heads (TP > 1), so each chunk's pages are gathered from the
+    ranks into full wire pages (engine.tp_kv.gather) and sent from there."""
+    return runner.pool.buffer.shape[4] != runner.model_cfg.num_kv_heads
+
+
+def scatters_kv(runner: ModelRunner) -> bool:
+    """Decode: other ranks hold KV heads too (TP > 1), so a room's pages land in buffers of full pages
+    (a staged receiver) and are scattered to every rank (engine.tp_kv.scatter) as they land, before
+    the request joins the batch."""
+    return _tp(runner).size > 1
 
 
 def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> TransferManager:

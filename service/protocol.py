@@ -275,7 +275,8 @@ def _generate_logprobs(m: GenerateRequest, prompt_len: int) -> tuple[bool, int, 
 def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """Native /generate: `text` xor `input_ids`, `sampling_params`, `stream`, `return_logprob`, `rid`."""
     m = _valid(GenerateRequest, body)
-    ids = tok.encode(m.text) if m.text is not None else _check_vocab(m.input_ids, limits, "'input_ids'")
+    ids = (_check_vocab(tok.encode(m.text), limits, "'text' (tokenized)") if m.text is not None
+           else _check_vocab(m.input_ids, limits, "'input_ids'"))
     sp_raw = body.get("sampling_params") or {}  # its keys and values are checked (GenerateSampling)
     n = (m.sampling_params and m.sampling_params.n) or 1
     sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL and k != "n"}
@@ -330,7 +331,7 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     prompt = m.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # one prompt in a list
         prompt = prompt[0]
-    ids = tok.encode(prompt) if isinstance(prompt, str) else _check_vocab(prompt, limits, "'prompt'")
+    ids = _check_vocab(tok.encode(prompt) if isinstance(prompt, str) else prompt, limits, "'prompt'")
     lp, echo = m.logprobs, bool(m.echo)
     stream, include_usage = _stream_opts(m)
     raw = _openai_sampling_raw(m, ("max_tokens",)) | _response_format(m)
@@ -399,6 +400,7 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
             ids = tok.apply_chat_template(messages if plan is None else with_system_prompt(messages, plan))
     except ChatTemplateError as e:
         raise RequestError(str(e)) from e
+    _check_vocab(ids, limits, "'messages' (tokenized)")  # a tokenizer larger than the model's vocabulary
     raw = _openai_sampling_raw(m, ("max_completion_tokens", "max_tokens")) | grammar
     ids, resume = _resumed(body, ids, raw, limits)
     sp = _sampling(raw, len(ids), limits)

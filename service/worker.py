@@ -9,6 +9,7 @@ services (colocated_service, prefill_service, decode_service) and receive their 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -125,7 +126,10 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
-    parent = os.getppid()
+    # the frontend that spawned us, as recorded at spawn time: it may be gone before the model has
+    # loaded, and then os.getppid() here would already name init and never change
+    spawner = mp.parent_process()
+    parent = spawner.pid if spawner is not None else os.getppid()
     io.outbox.send(m.StatsOut(token=-1, info={**info, "ready": True}))
     log.info("worker ready: %s", {k: info[k] for k in ("role", "model_path", "max_total_tokens") if k in info})
     try:

@@ -1,8 +1,10 @@
 """Frozen configuration of the KV transfer layer, and the compatibility record of a KV pool.
 
 TransferConfig  how one worker process's TransferManager runs (role, addresses, timeouts, token)
-CompatInfo      what a KV page means (model, dtype, page size, layout, heads); both sides must agree,
-                checked by hash at the handshake, and a mismatch names the differing field.
+CompatInfo      what a KV page means (model, dtype, page size, layout, heads) and the sender's tensor
+                parallel size; both sides must agree on every field but the servable ones (`tp`: the
+                wire page holds all KV heads whatever a side's TP), checked by hash at the handshake,
+                and a mismatch names the differing field.
 
 Validation raises ValueError with a message naming the field.
 """
@@ -51,9 +53,19 @@ class TransferConfig:
         return 3.0 * self.heartbeat_interval_s
 
 
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+SERVABLE = ("tp",)  # CompatInfo fields two sides may differ in: they are shown, never compared
+
+
 @dataclass(frozen=True)
 class CompatInfo:
-    """What one KV page holds. Hashed into TransferInfo; both sides must match field by field."""
+    """What one wire KV page holds. Hashed into TransferInfo (servable fields left out); both sides
+    must match field by field except SERVABLE ones.
+
+    The wire page is the model's canonical page [layers, 2, page_size, num_kv_heads (all), head_dim]
+    whatever either side's tensor parallel size: a TP > 1 side stages (gathers its ranks' heads into
+    full pages before sending, scatters them after receiving), so any prefill TP serves any decode TP.
+    """
 
     model: str
     dtype: str
@@ -64,18 +76,36 @@ class CompatInfo:
     head_dim: int
     window: int = 0  # tokens the widest layer looks back (sliding window); 0 = full attention.
     # The prefill sends, and the decode reserves, only the pages of the prompt's last window.
+    tp: int = 1  # this side's tensor parallel size (servable: not compared)
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one wire page (all KV heads; K and V of every layer)."""
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"dtype {self.dtype!r} has no known element size ({sorted(_ITEMSIZE)})")
+        itemsize = _ITEMSIZE[self.dtype]
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Hash of the fields both sides must share (SERVABLE ones left out)."""
+        shared = {k: v for k, v in self.to_dict().items() if k not in SERVABLE}
+        blob = json.dumps(shared, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def mismatch(self, other: dict) -> str | None:
-        """None when `other` (a peer's to_dict()) equals this; else a message naming the field."""
+        """None when `other` (a peer's to_dict()) equals this on every non-servable field; else a
+        message naming the first differing field."""
         mine = self.to_dict()
         for name, value in mine.items():
+            if name in SERVABLE:
+                continue
             theirs = other.get(name)
             if theirs != value:
                 return f"KV compatibility mismatch on field {name!r}: prefill={value!r} decode={theirs!r}"

@@ -111,9 +111,10 @@ class DecodeSide:
 
     # ---- API -------------------------------------------------------------------------------
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
-                        cached_ids: list[int] | None = None) -> KVReceiver:
+                        cached_ids: list[int] | None = None, staged: bool = False) -> KVReceiver:
         """`cached_ids`: the prompt's leading token ids whose KV this decode holds (whole pages);
-        dst_pages are for the pages after them."""
+        dst_pages are for the pages after them. `staged` (a TP > 1 decode): the pages land in
+        buffers of full wire pages (KVReceiver.landed) instead of the pool."""
         if room in self.receivers:
             raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a receiver already exists")
         endpoint = _parse_addr(bootstrap_addr)
@@ -121,7 +122,7 @@ class DecodeSide:
         if not dst_pages or any(not 0 <= p < n for p in dst_pages) or len(set(dst_pages)) != len(dst_pages):
             raise ValueError(f"room {room}: dst_pages must be distinct page indices in 0..{n - 1}")
         recv = KVReceiver(room, self._notify, self.release, self.pages, self.backend, list(dst_pages),
-                          self._alloc_slot(), bootstrap_addr)
+                          self._alloc_slot(), bootstrap_addr, self.compat.page_bytes if staged else 0)
         peer = self._peer(bootstrap_addr, endpoint)
         if not self._active(peer):
             peer.last_seen = time.monotonic()  # a peer idle until now gets a fresh grace period

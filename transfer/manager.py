@@ -76,7 +76,13 @@ class TransferManager:
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page of the local pool (a TP > 1 side's rank 0 holds only its heads)."""
         return self._pages.shape[1]
+
+    @property
+    def wire_page_bytes(self) -> int:
+        """Bytes of one wire page: all KV heads (CompatInfo.page_bytes)."""
+        return self._side.compat.page_bytes
 
     @property
     def bootstrap_port(self) -> int:
@@ -92,12 +98,14 @@ class TransferManager:
         return self._side.create_sender(room, prompt_ids)
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
-                        cached_ids: list[int] | None = None) -> KVReceiver:
+                        cached_ids: list[int] | None = None, staged: bool = False) -> KVReceiver:
         """`cached_ids`: leading prompt ids (whole pages) whose KV this decode already holds;
-        `dst_pages` are for the prompt's pages after them."""
+        `dst_pages` are for the prompt's pages after them. `staged` (a TP > 1 decode, whose pool
+        holds only rank 0's heads): each message lands in a buffer of full wire pages that the caller
+        takes with `receiver.landed()` and scatters to its ranks; the pool is never written."""
         if not isinstance(self._side, DecodeSide):
             raise ValueError("create_receiver needs role='decode'")
-        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids)
+        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids, staged)
 
     def decline_room(self, room: int, bootstrap_addr: str) -> None:
         """Decode: this worker prefills `room` itself; its prefill ends the room without computing."""

@@ -5,7 +5,10 @@ the moment it reaches FAILED or SUCCESS; the manager drops the object itself on 
 Rooms talk to their side only through two callbacks: notify(room, reason, code) sends the peer
 an Abort, on_release(room) drops the room's bookkeeping.
 
-pages: uint8 [num_pages, page_bytes] view of the KV pool (layout.page_view).
+pages: uint8 [num_pages, page_bytes] view of the KV pool (layout.page_view). A TP > 1 side stages:
+its sender is handed each chunk's full wire pages (`send(..., data=)`); its receiver receives every
+message into a buffer of full wire pages and hands them over (`landed()`) for the decode to scatter
+to its ranks (engine/tp_kv.py), so staging holds only the messages not yet stored.
 """
 
 from __future__ import annotations
@@ -118,8 +121,13 @@ class KVSender(_Room):
         if self.state == KVPoll.BOOTSTRAPPING:
             self.state = KVPoll.WAITING_FOR_INPUT
 
-    def send(self, src_pages: list[int], is_last: bool, metadata: dict | None = None) -> None:
-        """Queue one chunk's pages (mapped onto dst pages by position); progress() sends them."""
+    def send(self, src_pages: list[int], is_last: bool, metadata: dict | None = None,
+             data: torch.Tensor | None = None) -> None:
+        """Queue one chunk's pages (mapped onto dst pages by position); progress() sends them.
+
+        `data` (a TP > 1 prefill): uint8 [len(src_pages), wire page_bytes], the chunk's pages already
+        gathered into full wire pages (row i = src_pages[i]); they are sent from it instead of the pool,
+        and the chunk keeps it alive until its sends are done."""
         if self.state == KVPoll.FAILED:
             return  # a failure raced with the scheduler; poll() reports it
         if self.state == KVPoll.BOOTSTRAPPING:
@@ -130,17 +138,24 @@ class KVSender(_Room):
             raise ValueError(f"room {self.room}: metadata only goes with is_last")
         if any(not 0 <= p < self._pages.shape[0] for p in src_pages):
             raise ValueError(f"room {self.room}: source page out of range 0..{self._pages.shape[0] - 1}")
+        pages = self._pages  # uint8 [num_pages, page_bytes]
+        if data is not None:  # staged: row i holds src_pages[i]
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[0] != len(src_pages) \
+                    or not data.is_contiguous():
+                raise ValueError(f"room {self.room}: data must be contiguous uint8 [{len(src_pages)}, "
+                                 f"page_bytes], got {data.dtype} {tuple(data.shape)}")
+            pages, src_pages = data, list(range(len(src_pages)))
         end = self._cursor + len(src_pages)
         if end > self.num_dst_pages or (is_last and end != self.num_dst_pages):
             self.fail(ErrorCode.BAD_REQUEST, f"prefill sends {end} pages but the decode reserved "
                       f"{self.num_dst_pages}", tell_peer=True)
             return
-        segs = plan_segments(src_pages, self._dst_pages, self._cursor, self._pages.shape[1])
-        bufs = [self._pages[s.src_pages[0]:s.src_pages[-1] + 1] if s.src_direct
-                else self._pages.index_select(0, torch.tensor(s.src_pages, device=self._pages.device))
+        segs = plan_segments(src_pages, self._dst_pages, self._cursor, pages.shape[1])
+        bufs = [pages[s.src_pages[0]:s.src_pages[-1] + 1] if s.src_direct
+                else pages.index_select(0, torch.tensor(s.src_pages, device=pages.device))
                 for s in segs]  # each uint8 [n, page_bytes]
         ready = None
-        if self._pages.is_cuda:
+        if pages.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
         self._queue.append(_Chunk(segs, bufs, end, is_last, metadata, ready))
@@ -213,8 +228,13 @@ class KVReceiver(_Room):
     """Decode side of one room: probes announced tags, receives into dst pages, reports SUCCESS."""
 
     def __init__(self, room: int, notify: Notify, on_release: OnRelease, pages: torch.Tensor,
-                 backend: DataBackend, dst_pages: list[int], slot: int, bootstrap_addr: str) -> None:
+                 backend: DataBackend, dst_pages: list[int], slot: int, bootstrap_addr: str,
+                 staged_page_bytes: int = 0) -> None:
         super().__init__(room, notify, on_release)
+        # staged (a TP > 1 decode): every message lands in its own buffer of full wire pages
+        # (staged_page_bytes each) that the caller takes with landed(); the pool is never written
+        self._staged_page_bytes = staged_page_bytes
+        self._landed: list[tuple[list[int], torch.Tensor]] = []
         self.metadata: dict | None = None
         self.dst_pages = dst_pages
         self.slot = slot
@@ -251,7 +271,7 @@ class KVReceiver(_Room):
         """Probe, receive, scatter; returns True on reaching SUCCESS (the caller acks the prefill)."""
         if self.state != KVPoll.TRANSFERRING:
             return False
-        page_bytes = self._pages.shape[1]
+        page_bytes = self._staged_page_bytes or self._pages.shape[1]
         waiting = []
         for exp in self._expect:
             nbytes = len(exp.dst) * page_bytes
@@ -263,7 +283,7 @@ class KVReceiver(_Room):
                 self.fail(ErrorCode.TRANSPORT, f"message {exp.tag:#x} has {probe.length} bytes, "
                           f"expected {nbytes}", tell_peer=True)
                 return False
-            if is_consecutive(exp.dst):
+            if is_consecutive(exp.dst) and not self._staged_page_bytes:
                 buf, staging = self._pages[exp.dst[0]:exp.dst[-1] + 1], None  # [n, page_bytes] view
             else:
                 staging = torch.empty((len(exp.dst), page_bytes), dtype=torch.uint8,
@@ -282,7 +302,9 @@ class KVReceiver(_Room):
             if r.handle.error:
                 self.fail(ErrorCode.TRANSPORT, f"UCX receive failed: {r.handle.error}", tell_peer=True)
                 return False
-            if r.staging is not None:  # scatter: pages[dst[i]] = staging[i]
+            if self._staged_page_bytes:  # the caller stores them (each rank its heads)
+                self._landed.append((r.dst, r.staging))  # type: ignore[arg-type]
+            elif r.staging is not None:  # scatter: pages[dst[i]] = staging[i]
                 self._pages.index_copy_(0, torch.tensor(r.dst, device=self._pages.device), r.staging)
             self._done_pages += len(r.dst)
         self._recvs = still
@@ -304,11 +326,19 @@ class KVReceiver(_Room):
         self._free()
         return True
 
+    def landed(self) -> list[tuple[list[int], torch.Tensor]]:
+        """A staged receiver's messages received since the last call: (dst pages, uint8 [len, wire
+        page_bytes] full pages), in arrival order; the caller stores them. Call it before acting on
+        SUCCESS (the last pages are here then); after FAILED it is empty."""
+        out, self._landed = self._landed, []
+        return out
+
     def pending(self) -> int:
         return len(self._expect) + len(self._recvs)
 
     def staging_bytes(self) -> int:
-        return sum(r.staging.numel() for r in self._recvs if r.staging is not None)
+        held = [r.staging for r in self._recvs if r.staging is not None] + [b for _, b in self._landed]
+        return sum(b.numel() for b in held)
 
     def drain(self) -> list[Handle]:
         """Receives still in flight after a failure: ucxx cannot cancel them, but they were probed,
@@ -320,3 +350,5 @@ class KVReceiver(_Room):
         self._orphans = [r.handle for r in self._recvs if not r.handle.done]
         self._expect.clear()
         self._recvs.clear()
+        if self.state == KVPoll.FAILED:
+            self._landed.clear()  # never stored: the room's pages are given back

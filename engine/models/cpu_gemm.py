@@ -65,7 +65,7 @@ def silu_gate_up(x: torch.Tensor, weight: torch.Tensor, packed: tuple[torch.Tens
 
 def pack_model(model: nn.Module, mode: str) -> int:
     """Once, at load: give every nn.Linear of the decoder layers a `packed` weight (None when not
-    packed) and the model an `lm_packed` output head (`model.lm_head_weight()`); returns how many
+    packed) and the model an `lm_packed` output head (`model.lm_head_weight()`, when not None); returns how many
     weights were packed. A packed linear's fp32 weight is then dropped (an empty tensor), so the
     weights are not held twice; the embedding, tied or not, stays. A linear with a `pack_parts`
     attribute (output sizes) is packed as those row blocks apart: `packed` is then a tuple."""
@@ -81,7 +81,8 @@ def pack_model(model: nn.Module, mode: str) -> int:
     try:
         packed = [tuple(pack(w) for w in m.weight.split(list(m.pack_parts))) if hasattr(m, "pack_parts")
                   else pack(m.weight) for m in linears]
-        lm_packed = pack(model.lm_head_weight())
+        head_weight = model.lm_head_weight()  # None on tensor-parallel ranks other than 0 (no LM head)
+        lm_packed = None if head_weight is None else pack(head_weight)
     except RuntimeError as e:  # an oneDNN build without this op or ISA: plain F.linear still works
         log.warning("oneDNN weight packing failed (%s); using torch's F.linear", e)
         return 0
@@ -91,7 +92,7 @@ def pack_model(model: nn.Module, mode: str) -> int:
     model.lm_packed = lm_packed
     if isinstance(head, nn.Linear):
         _drop_weight(head)
-    return len(linears) + 1
+    return len(linears) + (lm_packed is not None)
 
 
 def _drop_weight(m: nn.Linear) -> None:

@@ -1,7 +1,9 @@
-"""Load an HF Llama-family directory (config.json + *.safetensors) into LlamaForCausalLM.
+"""Load an HF model directory (config.json + *.safetensors) into its family's Model (registry.py).
 
-q/k/v projections are fused into one qkv_proj, gate/up into gate_up_proj; everything else maps by
-name. Missing or unexpected weights raise ValueError naming them.
+The family's `weights` maps checkpoint names to the Model's parameter names, sliced for the TP rank;
+missing or unexpected weights, a parameter no weight fills, or a shape mismatch raise ValueError naming
+them. Rotary tables are built on the target device in fp32; fp32 CPU linears are packed once
+(cpu_gemm.pack_model).
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.cpu_gemm import pack_model
-from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import family
+from engine.models.rope import Rotary
+from engine.tp import SINGLE, TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,43 +36,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: int,
-               cpu_gemm: str = "onednn") -> LlamaForCausalLM:
-    raw = _read_tensors(path)
+               cpu_gemm: str = "onednn", tp: TPGroup = SINGLE) -> nn.Module:
+    """The family's Model for cfg.model_type, holding rank tp.rank's share of the weights at `path`, on
+    `device` in `dtype`, with rotary tables for positions < max_pos."""
+    fam = family(cfg.model_type)
+    raw = _read_tensors(Path(path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_pos)
-    params: dict[str, torch.Tensor] = {}
-    taken: set[str] = set()
-
-    def take(name: str) -> torch.Tensor:
-        if name not in raw:
-            raise ValueError(f"{path}: weight {name} is missing")
-        taken.add(name)
-        return raw[name]
-
-    params["embed_tokens.weight"] = take("model.embed_tokens.weight")
-    params["norm.weight"] = take("model.norm.weight")
-    if not cfg.tie_embeddings:
-        params["lm_head.weight"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        params[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
-        if cfg.qkv_bias:
-            params[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-        params[f"layers.{i}.self_attn.o_proj.weight"] = take(a + "o_proj.weight")
-        params[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        params[f"layers.{i}.mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        params[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        params[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-    # tied checkpoints sometimes carry lm_head anyway; rotary buffers are not weights
-    extra = set(raw) - taken - {"lm_head.weight"}
-    extra = {n for n in extra if "rotary_emb" not in n}
-    if extra:
-        raise ValueError(f"{path}: unexpected weights {sorted(extra)[:5]}")
-    tdtype = DTYPES[dtype]
+        model = fam.Model(cfg, max_pos, tp)
+    try:
+        params = fam.weights(raw, cfg, tp)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    unfilled = sorted(set(dict(model.named_parameters())) - set(params))
+    if unfilled:
+        raise ValueError(f"{path}: no weight for parameters {unfilled[:5]}")
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, tensor in params.items():
@@ -75,9 +57,11 @@ def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: i
             if target.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
             target.copy_(tensor)
-    model = model.to(dtype=tdtype)
+    model = model.to(dtype=DTYPES[dtype])
     # rotary tables were allocated on meta; rebuild them on the target device in fp32
-    rot = type(model.rotary)(cfg, max_pos)
-    model.rotary = rot.to(device)
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_pos).to(device)
     pack_model(model, cpu_gemm)
+    for m in model.modules():  # blocks holding weights other than nn.Linear (MoE experts) pack their own
+        if hasattr(m, "pack_weights"):
+            m.pack_weights(cpu_gemm)
     return model.eval()

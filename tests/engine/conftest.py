@@ -72,3 +72,31 @@ def hf_greedy(hf_model, prompts):
                                   pad_token_id=2)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory: hf_checkpoint(config, name, init_std=0.2) -> (directory, model). A random-weight
+    transformers model of `config` (one of transformers' config classes), weights drawn with std
+    `init_std` (large enough that a wrong layer moves the logits well past 1e-3) and RMSNorm weights
+    in [0.5, 1.5], saved fp32 with the embedded model's tokenizer files (the offline LLM loads a
+    tokenizer); the model, in eval mode, is the oracle."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    def make(config, name: str, init_std: float = 0.2):  # noqa: ANN001, ANN202
+        path = tmp_path_factory.mktemp(name)
+        config.initializer_range = init_std
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+        with torch.no_grad():  # norms start at ones: move them, so a norm loaded wrong (or not at all) shows
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        model.save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(embedded_model_dir() / f, path / f)
+        return path, model
+
+    return make

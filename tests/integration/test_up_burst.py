@@ -70,7 +70,7 @@ def test_up_default_flags_serves_a_concurrent_streaming_burst(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         # the workers split the CPUs this test may use instead of each taking all of them
-        m = re.search(r"--threads (\d+) \((\d+) CPUs, 2 workers\)", "".join(lines))
+        m = re.search(r"--threads (\d+) \((\d+) CPUs, 2 ranks\)", "".join(lines))
         assert m and int(m.group(1)) == max(1, int(m.group(2)) // 2), "".join(lines)
 
         rounds = asyncio.run(_rounds(f"http://127.0.0.1:{port}"))

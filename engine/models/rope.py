@@ -1,0 +1,152 @@
+"""Rotary position embedding: inverse frequencies (default, linear, llama3, YaRN) and the cos/sin tables.
+
+`rope_params` is the one place a `rope_scaling` dict is read: ModelConfig parsing calls it once to
+refuse what this engine cannot compute exactly (ValueError naming the field), the model to build its
+tables. The formulas are transformers' (`modeling_rope_utils.py`), YaRN's in the same fp32 arithmetic.
+YaRN's attention factor scales cos and sin (so q.k gains its square), as transformers applies it.
+"`dynamic`" (NTK) is refused: its frequencies depend on the longest sequence of the forward that
+computes them, so a paged cache filled over several steps cannot reproduce it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_KEYS = {  # the keys each type reads; any other key is refused (rope_type/type/rope_theta always allowed)
+    "default": set(),
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "mscale", "mscale_all_dim", "truncate"},
+}
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The scaling's type ('default' for none), ValueError naming 'rope_scaling.rope_type' if unsupported."""
+    if not scaling:
+        return "default"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        why = (": its frequencies change with the length of each forward, which a paged cache cannot reproduce"
+               if kind == "dynamic" else "")
+        raise ValueError(f"config.json field 'rope_scaling.rope_type' ({kind!r}) is not supported{why}; "
+                         f"supported: {', '.join(ROPE_TYPES)}")
+    return kind
+
+
+def _number(scaling: dict, key: str, default: float | None = None) -> float:
+    v = scaling.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ValueError(f"config.json field 'rope_scaling.{key}' must be a positive number, got {v!r}")
+    return float(v)
+
+
+def check_rope(scaling: dict | None) -> None:
+    """ValueError naming the first field of `scaling` this engine cannot honour exactly."""
+    kind = rope_type(scaling)
+    if not scaling:
+        return
+    prf = scaling.get("partial_rotary_factor", 1.0)
+    if prf != 1.0:
+        raise ValueError(f"config.json field 'partial_rotary_factor' ({prf!r}) is not supported (only 1.0)")
+    extra = set(scaling) - _KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    extra = {k for k in extra if scaling[k] is not None}
+    if extra:
+        raise ValueError(f"config.json field 'rope_scaling.{sorted(extra)[0]}' is not supported with "
+                         f"rope_type {kind!r}")
+    if kind in ("linear", "llama3", "yarn"):
+        _number(scaling, "factor")
+    if kind == "yarn":
+        _number(scaling, "original_max_position_embeddings")
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if scaling.get(key) is not None:
+                _number(scaling, key)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, theta: float, sc: dict) -> tuple[torch.Tensor, float]:
+    """transformers' _compute_yarn_parameters, step for step in fp32."""
+    factor, old = float(sc["factor"]), sc["original_max_position_embeddings"]
+    attention = sc.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = sc.get("mscale"), sc.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else _yarn_mscale(factor))
+    beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1 - ramp  # share of the original frequency per dimension
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
+
+
+def rope_params(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq fp32 [head_dim / 2], attention factor scaling cos/sin) for a rope_scaling dict."""
+    kind = rope_type(scaling)
+    d = head_dim
+    if kind == "yarn":
+        return _yarn(d, theta, scaling)
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = scaling or {}
+    if kind == "linear":
+        return (inv / sc["factor"]).float(), 1.0
+    if kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled).float(), 1.0
+    return inv.float(), 1.0
+
+
+class Rotary(nn.Module):
+    """cos/sin tables [max_pos, D/2] (fp32, times the attention factor) of every position the engine runs."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> None:
+        super().__init__()
+        inv, attention = rope_params(head_dim, theta, scaling)
+        t = torch.arange(max_pos, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [max_pos, D/2]
+        self.register_buffer("cos", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention, persistent=False)
+
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """cos and sin [T, 1, D/2] of the step's positions, gathered once for every layer."""
+        return RotaryTables(self.cos.index_select(0, positions).unsqueeze(1),
+                            self.sin.index_select(0, positions).unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    cos: torch.Tensor  # [T, 1, D/2] fp32
+    sin: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated, rotate-half convention (HF layout), computed in fp32 into one new tensor
+        (4 ops: no chunk copies, no cat)."""
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.mul(x1, self.cos, out=o1).addcmul_(x2, self.sin, value=-1)  # x1 cos - x2 sin
+        torch.mul(x2, self.cos, out=o2).addcmul_(x1, self.sin)  # x2 cos + x1 sin
+        return out.to(x.dtype)

@@ -1,0 +1,116 @@
+"""`pdserve colocated --tp 2` (issue 35) as real processes: the frontend, the worker (rank 0) and rank 1
+(gloo on the CPU, 1 thread each), over HTTP, on a tiny random-weight GQA model with the embedded
+model's tokenizer.
+
+- It answers exactly as the TP 1 service does (greedy, /generate and /v1/completions, batched).
+- SIGKILL of rank 1 in the middle of a streamed request: the stream ends with an error, the frontend
+  stops the worker and exits 1 (so `pdserve up` or Kubernetes starts it again), no process is left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from pd_harness import COMMON, call
+from router_harness import Proc, free_port, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.stub_worker import make_tokenizer_dir  # noqa: E402
+from tests.tiny_model import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[(5 * i + k) % 250 + 1 for i in range(n)] for k, n in enumerate((7, 30, 61))]
+
+
+def _start(model: Path, *extra: str) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "pdserve", "colocated", "--port", str(port), "--model", str(model), *COMMON,
+            "--max-total-tokens", "1024", "--page-size", "8", *extra]
+    return Proc(f"colocated-{port}", args, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory: pytest.TempPathFactory):
+    """(TP 1 service, TP 2 service), started at once."""
+    model = make_tiny_model(make_tokenizer_dir(tmp_path_factory.mktemp("tp_svc") / "gqa"))
+    procs = [_start(model), _start(model, "--tp", "2")]
+    try:
+        for p in procs:
+            p.wait_healthy(180)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _gen(ids: list[int], new: int = 12, **kw: object) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+            **kw}
+
+
+def test_tp2_service_answers_like_tp1(services) -> None:  # noqa: ANN001
+    one, two = services
+    info = httpx.get(two.url + "/server_info", timeout=10).json()["internal_states"][0]
+    assert info["tp"] == 2
+    outs = []
+    for svc in services:
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as ex:  # one batch
+            res = list(ex.map(lambda ids, u=svc.url: call(u, "/generate", _gen(ids)), PROMPTS))
+        assert all(status == 200 for status, _ in res), res
+        text = call(svc.url, "/v1/completions", {"model": "m", "prompt": PROMPTS[1], "max_tokens": 10,
+                                                 "temperature": 0, "stream": True})
+        assert text[0] == 200, text
+        outs.append(([body["output_ids"] for _, body in res], [e["choices"][0]["text"] for e in text[1]]))
+    assert outs[0] == outs[1]
+    assert all(len(ids) == 12 for ids in outs[1][0])
+
+
+def test_rank_killed_mid_request_fails_it_and_stops_the_service(services) -> None:  # noqa: ANN001
+    _, two = services
+    worker = httpx.get(two.url + "/server_info", timeout=10).json()["worker_pid"]
+    ranks = [p for p in _children(two.pid) if p != worker and "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    assert len(ranks) == 1, ranks
+    events: list[dict] = []
+    body = _gen(PROMPTS[0], 480, stream=True)
+    with httpx.Client(timeout=60) as c, c.stream("POST", two.url + "/generate", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 1:
+                os.kill(ranks[0], signal.SIGKILL)  # rank 1 dies while the request runs
+    assert "error" in events[-1], events[-1]
+    assert len(events[-2]["output_ids"]) < 480, "the request finished before the kill"
+    assert two.popen.wait(60) == 1  # the frontend stops the group and exits 1
+    wait_for(lambda: not _alive(worker) and not _alive(ranks[0]), 30, "every rank process to exit")
