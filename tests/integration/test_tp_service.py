@@ -180,6 +180,13 @@ def test_up_restarts_a_tp_decode_that_lost_a_rank_and_its_pools_return_to_zero(t
         pids = [int(p) for p in re.findall(r"pid (\d+)", "".join(lines))]
         wait_for(lambda: not any(_alive(p) for p in pids + ranks), 30, "every process gone")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed test: up stops its children (each in its own session)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in (int(p) for p in re.findall(r"pid (\d+)", "".join(lines))):
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)  # each child leads its own session
