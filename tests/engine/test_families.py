@@ -19,6 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.sampling_params import SamplingParams
 from engine.tp import TPGroup
+from tests.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -65,16 +66,6 @@ def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, SMALL["vocab_size"], (n,), generator=g).tolist() for n in LENGTHS]
 
-
-def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:  # noqa: ANN001
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
 
 
 def test_config_is_read_by_the_family(family):
@@ -127,7 +118,7 @@ def test_qwen3_sliding_window_rule():
 def test_greedy_matches_transformers_alone_and_batched(family):
     _, _, hf, llm = family
     prompts = [p for p in _prompts() if len(p) in (7, 130, 600)]
-    want = _hf_greedy(hf, prompts, 24)
+    want = hf_greedy(hf, prompts, 24)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     assert [llm.generate([ids], greedy)[0].output_ids for ids in prompts] == want
     assert [c.output_ids for c in llm.generate(prompts, greedy)] == want

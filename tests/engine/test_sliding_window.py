@@ -18,6 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.embedded import embedded_model_dir
 from engine.sampling_params import SamplingParams
+from tests.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -108,16 +109,6 @@ def test_configs_it_cannot_run_exactly_are_refused(tmp_path, change, field):
         ModelConfig.from_dir(tmp_path)
 
 
-def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
 
 def test_long_generation_holds_only_the_window_pages(swa_model):
     """Mistral (window on every layer) holds O(window) pages through a 600-token prompt and 120 new
@@ -139,7 +130,7 @@ def test_long_generation_holds_only_the_window_pages(swa_model):
     else:  # window 64 + one 64-token chunk (+ the page a window straddles, + the page being filled)
         assert peak <= (64 + 64) // 16 + 2, peak
         assert llm.scheduler.kv.trimmed_pages >= (600 + 120 - 64) // 16 - 2
-    assert req.output_ids == _hf_greedy(hf, [ids], 120)[0]
+    assert req.output_ids == hf_greedy(hf, [ids], 120)[0]
     assert llm.scheduler.kv.all_free()
 
 
@@ -177,5 +168,5 @@ def test_retraction_with_freed_pages_reloads_exactly(swa_model):
                 retracted.append((r, r.kv.dropped_pages))
     assert len(retracted) == 2 and all(r.kv.retractions == 1 for r, _ in retracted)
     assert all(dropped > 0 for _, dropped in retracted) == (0 not in windows)
-    assert [r.output_ids for r in reqs] == _hf_greedy(hf, prompts, 40)
+    assert [r.output_ids for r in reqs] == hf_greedy(hf, prompts, 40)
     assert sched.kv.all_free()
