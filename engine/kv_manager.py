@@ -71,7 +71,7 @@ class KVManager:
         limit = len(req.token_ids) - 1
         if req.logprobs.wants_input:
             limit = min(limit, max(req.logprobs.start_len, 1) - 1)
-        hit = self.cache.match(req.token_ids, limit)
+        hit = self.cache.match(req.token_ids, limit, req.cache_namespace)
         if not hit.pages:
             return 0
         self.cache.lock(hit.node)
@@ -100,7 +100,9 @@ class KVManager:
 
     def prefix_len(self, req: Req) -> int:
         """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
-        return 0 if self.cache is None else self.cache.match_len(req.token_ids, len(req.token_ids) - 1)
+        if self.cache is None:
+            return 0
+        return self.cache.match_len(req.token_ids, len(req.token_ids) - 1, req.cache_namespace)
 
     def flush(self) -> int:
         """Drop every unlocked cached page (the caller checks the service is idle); returns pages."""
@@ -194,7 +196,8 @@ class KVManager:
         own = req.kv.pages[self._head(req) :]
         if self.cache is not None and req.kv.pages and not req.kv.host_pages:
             full = min(req.kv.kv_len // self.page_size, len(req.kv.pages))
-            _, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages)
+            _, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages,
+                                       req.cache_namespace)
             own = dup + req.kv.pages[max(full, req.kv.shared_pages) :]
         if own:
             self.pool.allocator.free(own)
@@ -248,7 +251,7 @@ class KVManager:
         full = min(req.num_prompt_tokens // ps, len(req.kv.pages))
         if full <= req.kv.shared_pages:
             return
-        node, dup = tree.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages)
+        node, dup = tree.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages, req.cache_namespace)
         path, n = [], node
         while n is not tree.root:
             path.append(n.page)

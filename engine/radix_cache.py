@@ -4,6 +4,10 @@ Each edge is one full page of token ids (`page_size` ids); its node holds the de
 those tokens' KV. A prefix is shareable page by page; the partial last page of a sequence is never
 cached (the next request recomputes it). Pure Python: no torch, testable alone.
 
+Namespaces: every lookup and insert names a `namespace` (Req.cache_namespace: the cache salt and
+the LoRA adapter). KV computed under one namespace never serves another: a prefix's first page key
+carries its namespace, so each namespace is its own subtree under the root ("" is today's tree).
+
 Ownership: a page in the tree belongs to the tree; a request that matched a prefix uses the tree's
 pages read-only and holds a lock on the deepest matched node (`lock`: +1 on every node of the path).
 A node with lock_ref 0 has only unlocked descendants, so every unlocked page is evictable by
@@ -22,11 +26,11 @@ from typing import NamedTuple
 class Node:
     __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access")
 
-    def __init__(self, parent: Node | None, key: tuple[int, ...], page: int) -> None:
+    def __init__(self, parent: Node | None, key: tuple, page: int) -> None:
         self.parent = parent
-        self.key = key  # the page's token ids
+        self.key = key  # the page's token ids (a first page's: its namespace, then the ids)
         self.page = page  # device page holding their KV (0 for the root)
-        self.children: dict[tuple[int, ...], Node] = {}
+        self.children: dict[tuple, Node] = {}
         self.lock_ref = 0
         self.last_access = 0
 
@@ -50,15 +54,19 @@ class RadixCache:
         self._clock = itertools.count(1)
 
     # ---- lookup -------------------------------------------------------------------------------
-    def _keys(self, ids: list[int], max_tokens: int) -> list[tuple[int, ...]]:
+    def _keys(self, ids: list[int], max_tokens: int, namespace: str = "") -> list[tuple]:
         ps = self.page_size
         n = min(len(ids), max_tokens) // ps
-        return [tuple(ids[i * ps : (i + 1) * ps]) for i in range(n)]
+        keys: list[tuple] = [tuple(ids[i * ps : (i + 1) * ps]) for i in range(n)]
+        if namespace and keys:
+            keys[0] = (namespace, *keys[0])
+        return keys
 
-    def match(self, ids: list[int], max_tokens: int | None = None) -> Match:
-        """Longest cached page-aligned prefix of ids[:max_tokens]; touches the path (LRU)."""
+    def match(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> Match:
+        """Longest cached page-aligned prefix of ids[:max_tokens] in `namespace`; touches the path
+        (LRU)."""
         node, pages, now = self.root, [], next(self._clock)
-        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens):
+        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             child = node.children.get(key)
             if child is None:
                 break
@@ -67,10 +75,10 @@ class RadixCache:
             pages.append(node.page)
         return Match(pages, node)
 
-    def match_len(self, ids: list[int], max_tokens: int | None = None) -> int:
+    def match_len(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> int:
         """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch)."""
         node, n = self.root, 0
-        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens):
+        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
                 break
@@ -94,13 +102,14 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     # ---- insert -------------------------------------------------------------------------------
-    def insert(self, ids: list[int], pages: list[int], owned_from: int) -> tuple[Node, list[int]]:
+    def insert(self, ids: list[int], pages: list[int], owned_from: int,
+               namespace: str = "") -> tuple[Node, list[int]]:
         """Insert the full pages of `ids` (KV in `pages`, in order). The tree takes `pages[i]` for
         every page it did not hold; a page it already holds under another id is a duplicate and is
         returned for the caller to free, when i >= owned_from (pages before it are the tree's own,
         matched earlier). Returns (deepest node, duplicates)."""
         node, dup, now = self.root, [], next(self._clock)
-        for i, key in enumerate(self._keys(ids, len(pages) * self.page_size)):
+        for i, key in enumerate(self._keys(ids, len(pages) * self.page_size, namespace)):
             child = node.children.get(key)
             if child is None:
                 assert i >= owned_from, "a matched page is missing from the tree (evicted while locked?)"

@@ -129,11 +129,21 @@ class Req:
     resumed_tokens: int = 0
     grammar: Matcher | None = None  # structured output: built on the request's first sample
     trace: Trace | None = None  # the service's spans of this request, or None (untraced)
+    extra_key: str = ""  # cache salt: prefixes are shared only between requests with the same one
+    lora: str = ""  # LoRA adapter name ("" = the base model)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def cache_namespace(self) -> str:
+        """The prefix-cache partition this request's KV belongs to (engine.radix_cache): KV computed
+        under another adapter or cache salt is never reused. "" = the shared default."""
+        if not self.extra_key and not self.lora:
+            return ""
+        return f"{self.lora}\x1f{self.extra_key}"
 
     @property
     def num_output_tokens(self) -> int:

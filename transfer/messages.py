@@ -74,9 +74,13 @@ class TransferInfo:
     version: int = VERSION
 
 
-def prefix_hash(ids: list[int]) -> str:
-    """The digest both sides compute over a prompt prefix's token ids (TransferInfo.cached_hash)."""
-    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
+def prefix_hash(ids: list[int], namespace: str = "") -> str:
+    """The digest both sides compute over a prompt prefix's token ids and its request's
+    cache namespace (TransferInfo.cached_hash; Req.cache_namespace, "" for none)."""
+    h = hashlib.blake2b(array("q", ids).tobytes(), digest_size=16)
+    if namespace:
+        h.update(b"\0" + namespace.encode())
+    return h.hexdigest()
 
 
 @dataclass

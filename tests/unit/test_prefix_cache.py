@@ -47,6 +47,24 @@ def test_radix_match_insert_lock_evict() -> None:
     assert tree.evicted_pages == 3
 
 
+def test_radix_namespaces_never_share_pages() -> None:
+    """A prefix cached under one namespace (cache salt, LoRA adapter) is invisible to another and to
+    the default; each namespace evicts and flushes like the default tree."""
+    alloc = PageAllocator(20, reserved=1)
+    tree = RadixCache(4, alloc.free)
+    ids = list(range(9))
+    salted = alloc.allocate(2)
+    tree.insert(ids, salted, 0, namespace="tenant-a")
+    assert tree.match_len(ids) == 0 and tree.match_len(ids, namespace="tenant-b") == 0
+    assert tree.match(ids, namespace="tenant-a").pages == salted
+    plain = alloc.allocate(2)
+    _, dup = tree.insert(ids, plain, 0)  # the same ids unsalted: a page of its own, not a duplicate
+    assert dup == [] and tree.cached_pages == 4 and tree.match(ids).pages == plain
+    assert Req("r", ids, GREEDY, extra_key="a").cache_namespace != Req("r", ids, GREEDY, lora="a").cache_namespace
+    assert Req("r", ids, GREEDY).cache_namespace == ""
+    assert tree.flush() == 4 and alloc.all_free()
+
+
 def test_radix_evicts_least_recently_used_first() -> None:
     alloc = PageAllocator(10, reserved=1)
     tree = RadixCache(2, alloc.free)
