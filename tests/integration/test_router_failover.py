@@ -36,6 +36,10 @@ def cluster():
     try:
         for p in procs.values():
             p.wait_healthy(60)
+        # the router's /health is 200 once ONE prefill and ONE decode are admitted; the load test needs
+        # both prefills eligible, or every request goes to p1 and p0 never gets one to be killed under
+        wait_for(lambda: len(_workers(procs["router"].url)) == 4
+                 and all(w["eligible"] for w in _workers(procs["router"].url).values()), 30, "all workers admitted")
         yield procs
     finally:
         for p in procs.values():
@@ -73,7 +77,7 @@ async def _load_with_kill(cluster) -> list[str]:
     async with httpx.AsyncClient(timeout=60) as client:
         tasks = [asyncio.create_task(_one(client, url, i)) for i in range(N_REQUESTS)]
         deadline = asyncio.get_running_loop().time() + 20
-        while len(stub_state(cluster["p0"])["rooms"]) < 5:  # p0 has requests in flight
+        while len((await client.get(cluster["p0"].url + "/_state")).json()["rooms"]) < 5:  # p0 has requests
             assert asyncio.get_running_loop().time() < deadline, "p0 never got requests"
             await asyncio.sleep(0.02)
         cluster["p0"].kill()
