@@ -56,10 +56,18 @@ def cluster(tmp_path_factory):
     try:
         for p in procs.values():
             p.wait_healthy(60)
+        # /health needs one prefill and one decode; tests that use both pairs need every worker admitted
+        # (a prefill becomes eligible once a probe has read its bootstrap port)
+        wait_for(lambda: _all_admitted(procs["router"].url, 4), 30, "all workers admitted")
         yield procs
     finally:
         for p in procs.values():
             p.stop()
+
+
+def _all_admitted(url: str, n: int) -> bool:
+    ws = httpx.get(url + "/admin/workers", headers={"Authorization": f"Bearer {KEY}"}).json()["workers"]
+    return len(ws) == n and all(w["eligible"] for w in ws)
 
 
 @pytest.fixture(autouse=True)
