@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite "minus infinity": fully masked rows stay NaN-free
+# finite "minus infinity": fully masked rows stay NaN-free; a constexpr, as a plain global does not
+# compile for a GPU (the interpreter accepts either)
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
