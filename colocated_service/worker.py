@@ -12,9 +12,11 @@ report what the scheduler's outbox holds (`Scheduler.drain`).
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.hicache import spec_for_server
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.sessions import SessionPins
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -29,6 +31,7 @@ class ColocatedRole:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> None:
         self.runner, self.kv = runner, kv
         self.sched = Scheduler(runner, cfg, kv, on_event=scheduler_hook())
+        self.sessions = SessionPins(kv, cfg.session_timeout_s)  # pinned KV of sessions (engine.sessions)
 
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
         req = req_from_msg(msg, "colocated")
@@ -45,8 +48,19 @@ class ColocatedRole:
 
     def step(self) -> list[m.TokenOut]:
         if self.sched.has_work():
+            computed = self.sched.exec.forward_tokens
             self.sched.step()
-        return [token_out(r) for r in self.sched.drain()]
+            if self.sched.waiting and self.sched.exec.forward_tokens == computed:
+                self.sessions.relieve()  # nothing ran while requests wait: pinned pages never block them
+        done = self.sched.drain()
+        if self.sessions.pins or any(r.session_id for r in done):
+            self.sessions.finished(done)
+            self.sessions.expire()
+        return [token_out(r) for r in done]
+
+    def close_session(self, session_id: str) -> None:
+        """POST /close_session (or its expiry in the frontend): the session's KV is no longer pinned."""
+        self.sessions.unpin(session_id)
 
     def stats(self) -> WorkerStats:
         return WorkerStats.from_scheduler(self.sched.stats())
@@ -65,5 +79,5 @@ def run_colocated_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
-                                                          cfg.engine.prefix_cache))
+                                                          cfg.engine.prefix_cache, spec_for_server(cfg)))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

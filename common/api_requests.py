@@ -38,6 +38,9 @@ class _Closed(BaseModel):
 
 
 TokenId = Annotated[int, Field(ge=0)]
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31, description="with --enable-priority-scheduling: which "
+                                "end is more urgent is a flag (default: higher values first); else ignored")]
+CacheKey = Annotated[str, Field(min_length=1, max_length=MAX_RID_LEN)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 Grammar = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 TopK = Literal[-1] | Annotated[int, Field(ge=1)]
@@ -71,6 +74,13 @@ class SamplingFields(_Open):
     n: int | None = Field(1, ge=1, le=MAX_N, description=f"choices (1..{MAX_N}): the prompt is computed once and its "
                                                          "KV shared; with a seed, choice i draws from a seed derived "
                                                          "from (seed, i)")
+    # request features (issue 40; SGLang's and vLLM's names)
+    priority: Priority | None = None
+    extra_key: CacheKey | None = Field(None, description="cache salt: cached prefixes are shared only between "
+                                                          "requests with the same one")
+    cache_salt: CacheKey | None = Field(None, description="vLLM's name of extra_key (both given: one salt of the two)")
+    routing_key: CacheKey | None = Field(None, description="the router's cache_aware policy sends requests with the "
+                                                            "same key to the same worker")
 
 
 class ContentPart(_Open):
@@ -234,14 +244,29 @@ class GenerateSampling(_Closed):
     suffix: None = None
 
 
+class SessionParams(_Closed):
+    """`session_params` of /generate (SGLang's): continue a request of an open session."""
+
+    id: CacheKey = Field(description="the session (POST /open_session)")
+    rid: CacheKey | None = Field(None, description="the session's request to continue (default: its last)")
+    offset: int | None = Field(None, ge=-1, description="keep that request's tokens (prompt then output) up to "
+                                                       "here; -1 or null: all")
+    replace: bool | None = Field(None, description="forget the session's other requests")
+
+
+PROMPT_FIELDS = ("text", "input_ids", "input_embeds")  # /generate takes exactly one of them
+Embeds = Annotated[list[Annotated[list[float], Field(min_length=1)]], Field(min_length=1)]
+
+
 class GenerateRequest(_Open):
     model_config = ConfigDict(json_schema_extra={
-        "oneOf": [  # exactly one of text and input_ids
+        "oneOf": [  # exactly one of text, input_ids and input_embeds (PROMPT_FIELDS)
             {"required": ["text"], "properties": {"text": {"type": "string"}}},
-            {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}}],
+            {"required": ["input_ids"], "properties": {"input_ids": {"type": "array"}}},
+            {"required": ["input_embeds"], "properties": {"input_embeds": {"type": "array"}}}],
         "if": {"required": ["top_logprobs_num"], "properties": {"top_logprobs_num": {"type": "integer", "minimum": 1}}},
         "then": {"required": ["return_logprob"], "properties": {"return_logprob": {"const": True}}}})
-    text: NonEmpty | None = Field(None, description="give text or input_ids")
+    text: NonEmpty | None = Field(None, description="give text, input_ids or input_embeds")
     input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     sampling_params: GenerateSampling | None = None
     stream: bool | None = False
@@ -250,11 +275,36 @@ class GenerateRequest(_Open):
     logprob_start_len: int | None = Field(-1, ge=-1, description="-1: output logprobs only; k: prompt positions "
                                                                  "k.. (k < the prompt's length)")
     rid: str | None = Field(None, min_length=1, max_length=MAX_RID_LEN)
+    priority: Priority | None = None
+    extra_key: CacheKey | None = Field(None, description="cache salt: cached prefixes are shared only between "
+                                                          "requests with the same one")
+    routing_key: CacheKey | None = Field(None, description="the router's cache_aware policy sends requests with the "
+                                                            "same key to the same worker")
+    # `session_params` (SessionParams) is checked by the colocated service that keeps sessions
+    # (service/sessions.py); it is not in this document, which the PD router serves too (refused there)
+    # issue 40 (service/req_features.py checks them: hidden size, vocabulary, limits)
+    return_hidden_states: bool | None = Field(None, description="meta_info.hidden_states: the prompt's last-layer "
+                                                                "states, then one per output token after the first")
+    input_embeds: Embeds | None = Field(None, description="[T][hidden_size] numbers instead of text or input_ids")
+    token_ids_logprob: list[TokenId] | None = Field(None, description="logprobs of these ids at every step "
+                                                                      "(needs return_logprob)")
+
+    @field_validator("input_embeds", mode="wrap")
+    @classmethod
+    def _embeds(cls, v: Any, handler: Any) -> Any:
+        try:
+            return handler(v)  # pydantic-core checks the numbers; a bad body gets service/req_features' words
+        except ValidationError:
+            rows = isinstance(v, list) and v and all(isinstance(r, list) and r for r in v)
+            raise ValueError("'input_embeds' must hold numbers only" if rows else "'input_embeds' must be a "
+                             "non-empty list of non-empty rows of numbers (one per position)") from None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> GenerateRequest:
-        if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of 'text' or 'input_ids'")
+        if self.input_embeds is not None and (self.text is not None or self.input_ids is not None):
+            raise ValueError("'input_embeds' replaces 'text' and 'input_ids': give only one of the three")
+        if self.input_embeds is None and (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text', 'input_ids' or 'input_embeds'")
         return self
 
 

@@ -39,7 +39,10 @@ import logging
 import time
 from collections import deque
 
+from engine import priority
 from engine.config import EngineConfig
+from engine.features import from_meta
+from engine.hicache import spec_for_server
 from engine.kv_manager import KVManager, reservation
 from engine.lifecycle import Outbox, finish_request
 from engine.memory import pages_for
@@ -199,6 +202,8 @@ class DecodeRole:
         return self.kv.can_admit(need, own, self._reserved_pages(), busy)
 
     def _admit(self) -> None:
+        if self.cfg.enable_priority_scheduling and len(self.prealloc) > 1:  # the most urgent first
+            self.prealloc = deque(priority.order(list(self.prealloc), self.cfg, time.monotonic()))
         while self.prealloc:
             if self.sched.has_retracted():  # retracted requests come back first
                 return
@@ -224,7 +229,8 @@ class DecodeRole:
         kv.pages = kv.pages + self.kv.allocate(need)
         cached = r.token_ids[: kv.shared_pages * self.kv.page_size]
         try:
-            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached, staged=self.staged)
+            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached, staged=self.staged,
+                                          namespace=r.cache_namespace)
         except (TransferError, ValueError) as e:
             code = int(e.code) if isinstance(e, TransferError) else 400
             self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
@@ -301,6 +307,7 @@ class DecodeRole:
                 top = tops[i] if i < len(tops) else None
                 if c.logprobs.top_k and top:
                     c.logprobs.output_top.append((list(top[0]), list(top[1])))
+        from_meta(r.features, meta)  # hidden states, token_ids_logprob (engine.features)
         self.sched.join_running(r)  # n > 1: the choices fork r's KV first
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
@@ -343,7 +350,8 @@ def run_decode_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
     runner = ModelRunner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
+                   spec_for_server(cfg))
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
                       local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued,
                       local_max_running=cfg.pd.local_prefill_max_running)

@@ -5,6 +5,8 @@ prompt logprobs (only the rows a request asked for), samples the next token for 
 prompt is now fully cached and for every decode request (with logprobs when asked), and applies stop
 conditions. A request with forks (n > 1, engine.parallel) has each fork's first token sampled from
 its own last prompt row as well, each with the fork's own seed. Pages must already be allocated (KVManager.grow).
+A decode request with a speculative draft (`req.spec.draft`, engine/speculative) runs its last token
+plus the draft as one segment with logits at every position; engine.speculative.verify emits its tokens.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import features
 from engine.logprobs import TopK, token_logprobs
 from engine.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ModelRunner, Segment
 from engine.request import Req
 from engine.sampling import Sampler
+from engine.speculative.verify import verify
 from engine.stops import StopChecker
 
 
@@ -50,18 +54,25 @@ class BatchExecutor:
             r = it.req
             mode, skip = _logit_rows(it)
             start = r.kv.kv_len
-            segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip))
+            segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip,
+                                    r.lora))
+            features.prepare(segments[-1], r.features, start, prompt=True)
         for r in decode:
             assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
-            segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:], LOGITS_LAST))
+            draft = r.spec.draft  # speculative: verify [last] + draft, logits at every position
+            segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,
+                                    LOGITS_ALL if draft else LOGITS_LAST, lora=r.lora))
+            features.prepare(segments[-1], r.features, r.kv.kv_len, prompt=False)
         if not segments:
             return StepResult([], [], [])
         self.forward_tokens += sum(len(s.tokens) for s in segments)
         logits = self.runner.forward(segments)
 
         to_sample: list[tuple[Req, torch.Tensor]] = []
+        verified: list[tuple[Req, torch.Tensor]] = []  # speculative decodes: rows [K+1, V]
         for it, seg, lg in zip(extend, segments, logits[: len(extend)]):
             r = it.req
+            features.collect(seg, r.features, prompt=True)
             if seg.logits == LOGITS_ALL and lg is not None:
                 _input_logprobs(r, r.kv.kv_len + seg.skip, lg)
                 lg = lg[-1]
@@ -70,10 +81,17 @@ class BatchExecutor:
                 r.logprobs.input_done = r.logprobs.wants_input
                 to_sample.append((r, lg))
                 to_sample.extend((f, lg) for f in r.choice.forks)  # n > 1: each choice draws from this row
-        for r, lg in zip(decode, logits[len(extend) :]):
+        for r, seg, lg in zip(decode, segments[len(extend) :], logits[len(extend) :]):
+            features.collect(seg, r.features, prompt=False)
+            if r.spec.draft:  # emitted below by the acceptance rule, kv_len advanced there
+                verified.append((r, lg))
+                continue
             r.kv.kv_len += 1
             to_sample.append((r, lg))
         sampled = self._sample(to_sample)
+        for r, lg in verified:
+            verify(r, lg, self.sampler, self.stops)
+            sampled.append(r)
         return StepResult(extend, decode, sampled)
 
     def _sample(self, items: list[tuple[Req, torch.Tensor]]) -> list[Req]:
@@ -91,6 +109,8 @@ class BatchExecutor:
                 lp.output.append(lps[j])
                 if lp.top_k:
                     lp.output_top.append(_first(tops[j], lp.top_k))
+                if reqs[i].features.ids:  # token_ids_logprob
+                    reqs[i].features.ids_output += features.ids_logprobs(logits[i : i + 1], reqs[i].features.ids)
         for i, r in enumerate(reqs):
             r.append_token(tokens[i])
             self.stops.check(r)
@@ -121,3 +141,5 @@ def _input_logprobs(r: Req, pos0: int, lg: torch.Tensor) -> None:
     lps, tops = token_logprobs(lg[:n], r.token_ids[pos0 + 1 : pos0 + 1 + n], r.logprobs.top_k)
     r.logprobs.input.extend(lps)
     r.logprobs.input_top.extend(tops)
+    if r.features.ids:  # token_ids_logprob at the same prompt positions
+        r.features.ids_input += features.ids_logprobs(lg[:n], r.features.ids)

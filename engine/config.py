@@ -11,10 +11,11 @@ Validation raises ValueError with a message naming the flag.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.checks import need
+from engine.speculative.config import SpecConfig
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 
@@ -85,6 +86,34 @@ class MoESpec:
     norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
     sparse_layers: tuple[bool, ...] = ()  # per layer: True = MoE, False = the dense MLP
+    # DeepSeek routing (engine/models/moe.py route_grouped): scores by softmax (V2) or sigmoid (V3, plus a
+    # per-expert e_score_correction_bias for the choice only); the top-k is taken within the `topk_group`
+    # best of `n_group` expert groups; the weights are scaled by routed_scaling_factor
+    scoring: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False  # V3's e_score_correction_bias
+    shared_gate: bool = True  # the shared expert is scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention's shape (DeepSeek-V2/V3; engine/models/deepseek.py runs it). Each token
+    of a layer caches one latent vector: kv_lora_rank (c_kv) + qk_rope_head_dim (the shared rope key)."""
+
+    q_lora_rank: int  # 0: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # 1/sqrt(qk_nope + qk_rope), x YaRN mscale(factor, mscale_all_dim)^2
+    rope_interleave: bool = True  # rope dims come in (x0, x1) pairs (V2 always; V3 `rope_interleave`)
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements one token of one layer caches: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -109,6 +138,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rope
     moe: MoESpec | None = None  # None: every layer's MLP is dense
     o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; Qwen2 biases q/k/v only)
+    mla: MLASpec | None = None  # DeepSeek's latent attention: the pool caches one latent per token and layer
 
     def window(self, layer: int) -> int:
         """Layer's attention window in tokens, 0 for full causal attention."""
@@ -182,16 +212,35 @@ class EngineConfig:
     threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
     schedule_policy: str = "fcfs"  # order of waiting prompts: fcfs | sjf | lpm (engine.scheduler.order_waiting)
     schedule_aging_s: float = 5.0  # sjf/lpm: a prompt waiting this long goes ahead of the policy's order
+    # request priority (engine.priority): waiting order by priority first, preemption of lower ones
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False  # False: a higher `priority` value is more urgent
+    priority_preemption_threshold: int = 1  # a running request is preempted only by one this much more urgent
+    priority_max_preemptions: int = 2  # times one request may be preempted (low priority never starves)
+    priority_aging_s: float = 30.0  # a request waiting this long ranks as the most urgent
+    # sessions (engine.sessions): a finished session request's KV stays pinned in the prefix cache
+    session_timeout_s: float = 300.0  # a session idle this long loses its pin
     # reuse cached prompt prefixes (engine.radix_cache). Off for the engine library (offline LLM,
     # tests: pools drain to 0 after each request); the colocated and prefill services turn it on
     # unless --disable-prefix-cache.
     prefix_cache: bool = False
+    # host/disk tiers under the prefix cache (engine/hicache): 0 host tokens = off
+    hicache_host_tokens: int = 0
+    hicache_write_policy: str = "write_back"  # write_back (copy at eviction) | write_through (at insert)
+    hicache_dir: str = ""  # disk tier directory ("": none)
+    hicache_disk_bytes: int = 1 << 30  # disk tier bound
     # tensor parallelism (engine/tp_ranks.py): one process per rank, rank 0 drives the others
     tp: int = 1  # ranks in the TP group
     tp_devices: str = ""  # comma list of this node's devices by local rank ("": cuda:<base + local rank>)
     dist_init_addr: str = ""  # HOST:PORT where rank 0 meets the others ("": a free loopback port, one node)
     nnodes: int = 1  # nodes the TP group spans (tp / nnodes ranks on each)
     node_rank: int = 0  # this node's index; node 0 runs rank 0 (frontend, scheduler)
+    # LoRA (engine/lora): adapters loaded at start-up ("NAME=PATH"), slots, rank cap, adapters per forward
+    lora_paths: tuple[str, ...] = ()
+    max_loaded_loras: int = 0  # adapter slots; 0 with no lora_paths: LoRA off (max(this, len(lora_paths)) slots)
+    max_lora_rank: int = 64
+    max_loras_per_batch: int = 8
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (engine/speculative)
 
     def __post_init__(self) -> None:
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
@@ -215,7 +264,28 @@ class EngineConfig:
         need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
              f"--schedule-policy must be fcfs, sjf or lpm, got {self.schedule_policy!r}")
         need(self.schedule_aging_s > 0, "--schedule-aging must be > 0 seconds")
+        need(self.priority_preemption_threshold >= 1, "--priority-preemption-threshold must be >= 1")
+        need(self.priority_max_preemptions >= 0, "--priority-max-preemptions must be >= 0")
+        need(self.priority_aging_s > 0, "--priority-aging must be > 0 seconds")
+        need(self.session_timeout_s > 0, "--session-timeout must be > 0 seconds")
+        need(self.max_loaded_loras >= 0, "--max-loaded-loras must be >= 0")
+        need(self.max_lora_rank >= 1, "--max-lora-rank must be >= 1")
+        need(self.max_loras_per_batch >= 1, "--max-loras-per-batch must be >= 1")
         self._check_tp()
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        need(self.hicache_host_tokens >= 0, "--hicache-host-tokens must be >= 0 (0: no host tier)")
+        need(self.hicache_write_policy in ("write_back", "write_through"),
+             f"--hicache-write-policy must be write_back or write_through, got {self.hicache_write_policy!r}")
+        need(self.hicache_disk_bytes > 0, "--hicache-disk-bytes must be > 0")
+        if not self.hicache_host_tokens:
+            need(not self.hicache_dir, "--hicache-dir needs --hicache-host-tokens > 0 (the disk tier sits under it)")
+            return
+        need(self.hicache_host_tokens >= self.page_size, "--hicache-host-tokens must hold at least one page")
+        need(self.prefix_cache, "--hicache-host-tokens needs the prefix cache (drop --disable-prefix-cache)")
+        need(self.tp == 1, "--hicache-host-tokens is not supported with --tp > 1 (host tier copies are not "
+                           "broadcast to the other ranks); use --tp 1 or --hicache-host-tokens 0")
 
     def _check_tp(self) -> None:
         need(self.tp >= 1, f"--tp must be >= 1, got {self.tp}")

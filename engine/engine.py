@@ -42,11 +42,16 @@ class LLM:
         return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
-                 return_logprob: bool = False) -> list[Completion]:
+                 return_logprob: bool = False, loras: list[str] | None = None) -> list[Completion]:
+        """`loras`: each prompt's LoRA adapter name ("" = the base model; engine/lora), loaded on the runner."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        names = loras or [""] * len(prompts)
+        for n in set(names) - {""}:
+            if self.runner.lora is None or n not in self.runner.lora.adapters:
+                raise ValueError(f"loras: LoRA adapter {n!r} is not loaded (EngineConfig.lora_paths)")
         reqs = [Req(rid=f"offline-{next(self._ids)}", token_ids=self.encode(p), sampling=sp,
-                    logprobs=LogprobState(on=return_logprob, start_len=0 if return_logprob else -1))
-                for p, sp in zip(prompts, plist)]
+                    logprobs=LogprobState(on=return_logprob, start_len=0 if return_logprob else -1), lora=name)
+                for p, sp, name in zip(prompts, plist, names)]
         for r in reqs:
             self.scheduler.add(r)
         pending = {r.rid for r in reqs}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.hicache import HiCacheSpec, HiRadixCache, build_cache
 from engine.memory import HostKVPool, KVPool, pages_for
 from engine.radix_cache import RadixCache
 from engine.request import Req
@@ -46,7 +47,8 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False) -> None:
+    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
+                 hicache: HiCacheSpec | None = None) -> None:
         self.pool = pool
         self.host = host_pool
         self.page_size = pool.page_size
@@ -57,6 +59,8 @@ class KVManager:
         self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
         use_cache = prefix_cache and not window
         self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
+        if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/hicache)
+            self.cache = build_cache(hicache, pool)
         # the tree forked choices share prompt pages through (the cache, else private; None: copy)
         self.tree = self.cache if self.cache is not None else \
             (None if window else RadixCache(self.page_size, pool.allocator.free))
@@ -71,7 +75,13 @@ class KVManager:
         limit = len(req.token_ids) - 1
         if req.logprobs.wants_input:
             limit = min(limit, max(req.logprobs.start_len, 1) - 1)
-        hit = self.cache.match(req.token_ids, limit, req.cache_namespace)
+        if req.features.hidden:  # every prompt position's hidden state is computed (engine.features)
+            limit = 0
+        if isinstance(self.cache, HiRadixCache):  # loads host/disk pages of the prefix into device pages
+            hit = self.cache.fetch(req.token_ids, limit, req.cache_namespace, self._allocate,
+                                   pages_for(len(req.token_ids), self.page_size))
+        else:
+            hit = self.cache.match(req.token_ids, limit, req.cache_namespace)
         if not hit.pages:
             return 0
         self.cache.lock(hit.node)
@@ -112,7 +122,8 @@ class KVManager:
         c = self.cache
         return PrefixCacheStats(cached_tokens=0 if c is None else c.cached_pages * self.page_size,
                                 hit_tokens=self.hit_tokens,
-                                evicted_tokens=0 if c is None else c.evicted_pages * self.page_size)
+                                evicted_tokens=0 if c is None else c.evicted_pages * self.page_size,
+                                tiers=c.tier_stats(self.hit_tokens) if isinstance(c, HiRadixCache) else {})
 
     def _allocate(self, n: int) -> list[int]:
         alloc = self.pool.allocator
@@ -128,6 +139,16 @@ class KVManager:
         n = self.extra_pages(req, new_tokens)
         if n:
             req.kv.pages.extend(self._allocate(n))
+
+    def rollback(self, req: Req) -> int:
+        """Free the request's own pages wholly past its computed tokens (kv_len): a speculative verify
+        wrote KV at positions it then rejected (engine/speculative). Returns pages freed."""
+        keep = max(pages_for(req.kv.kv_len, self.page_size), self._head(req))
+        extra = req.kv.pages[keep:]
+        if extra:
+            del req.kv.pages[keep:]
+            self.pool.allocator.free(extra)
+        return len(extra)
 
     def window_start(self, kv_len: int) -> int:
         """Index of the first page a query at position kv_len (or later) can read: pages before it

@@ -1,7 +1,8 @@
 """KV memory: a page allocator, the device KV pool and the host (CPU) pool used for retraction.
 
-Layout (docs/architecture.md): kv_pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim];
-page p is one contiguous block. Page 0 of the device pool is reserved and never handed out, so a
+Layout (docs/architecture.md): kv_pool[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], or for
+MLA models a latent pool [num_pages, num_layers, page_size, kv_lora_rank + rope_dim]; page p is one
+contiguous block. Page 0 of the device pool is reserved and never handed out, so a
 zero in a padded page table is harmless. A request's tokens live in its own list of pages
 (`Req.pages`), token i at slot (pages[i // page_size], i % page_size): that list is the
 request -> token table.
@@ -69,16 +70,28 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class KVPool:
-    """The device KV cache plus its allocator."""
+    """The device KV cache plus its allocator. With `latent_dim` > 0 (MLA, DeepSeek) it is a latent pool:
+    buffer [P, L, ps, latent_dim] (kv_lora_rank + rope_dim: one vector per token and layer, one "head",
+    num_kv_heads and head_dim unused); allocator, page copies and host offload are the same."""
 
     def __init__(self, num_pages: int, num_layers: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device, latent_dim: int = 0) -> None:
         self.page_size = page_size
         self.num_layers = num_layers
-        # [P, L, 2, ps, Hkv, D]
-        self.buffer = hugepages.zeros((num_pages, num_layers, 2, page_size, num_kv_heads, head_dim),
-                                      dtype=dtype, device=device)
+        self.latent_dim = latent_dim
+        # [P, L, 2, ps, Hkv, D], or latent [P, L, ps, latent_dim]
+        shape = (num_pages, num_layers, page_size, latent_dim) if latent_dim else \
+            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        self.buffer = hugepages.zeros(shape, dtype=dtype, device=device)
         self.allocator = PageAllocator(num_pages, reserved=1)
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """A latent pool's layer view [P, ps, latent_dim], page stride L*ps*latent_dim."""
+        return self.buffer[:, layer]
+
+    def write_latent(self, layer: int, page_idx: torch.Tensor, offset: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store new tokens' latents (MLA). page_idx, offset: int64 [T]; latent: [T, latent_dim]."""
+        self.buffer[page_idx, layer, offset] = latent
 
     @property
     def page_bytes(self) -> int:

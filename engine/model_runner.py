@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from engine import tp_ranks
+from engine import features, tp_ranks
 from engine.attention.base import build_metadata, create_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpus import cpu_budget
+from engine.lora import runner as lora_runner
 from engine.memory import HostKVPool, KVPool
 from engine.models.embedded import resolve_model_path
 from engine.models.llama import ForwardContext
@@ -41,6 +42,10 @@ class Segment:
     tokens: list[int]  # new tokens
     logits: int = LOGITS_LAST
     skip: int = 0  # LOGITS_ALL: the first `skip` rows get no logits
+    lora: str = ""  # LoRA adapter the segment runs under ("" = the base model; engine/lora)
+    embeds: Any = None  # float32 [n, H]: input embeddings instead of the tokens' (engine.features)
+    hidden: bool = False  # keep this segment's final hidden states in `hidden_out` (fp32 [n, H], CPU)
+    hidden_out: Any = None
 
 
 class ModelRunner:
@@ -72,17 +77,20 @@ class ModelRunner:
         self.backend = create_backend(cfg.resolved_attention_backend)
         self.pool, self.host_pool = self._pools(getattr(self.model, "local_kv_heads", mc.num_kv_heads))
         self.scale = mc.head_dim ** -0.5
+        self.lora = lora_runner.registry_for(self)  # LoRARegistry, or None when LoRA is off
 
     def _pools(self, kv_heads: int) -> tuple[KVPool, HostKVPool]:
-        """The device pool [P, L, 2, ps, kv_heads, D] and the host pool of this rank (rank 0's of a
-        group send their page moves to the other ranks)."""
+        """The device pool [P, L, 2, ps, kv_heads, D] (MLA: the latent pool [P, L, ps, kv_lora_rank +
+        rope_dim], the same on every rank) and the host pool of this rank (rank 0's of a group send their
+        page moves to the other ranks)."""
         mc, cfg = self.model_cfg, self.cfg
         shape = (cfg.num_pages, mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        latent = {"latent_dim": mc.mla.latent_dim} if mc.mla is not None else {}
         pin = self.device.type == "cuda"
         if self.driver is None:
-            pool = KVPool(*shape)
+            pool = KVPool(*shape, **latent)
             return pool, HostKVPool(cfg.num_host_pages, tuple(pool.buffer.shape[1:]), self.dtype, pin=pin)
-        pool = tp_ranks.DrivenKVPool(self.driver, *shape)
+        pool = tp_ranks.DrivenKVPool(self.driver, *shape, **latent)
         return pool, tp_ranks.DrivenHostKVPool(self.driver, cfg.num_host_pages, tuple(pool.buffer.shape[1:]),
                                                self.dtype, pin=pin)
 
@@ -114,6 +122,12 @@ class ModelRunner:
 
     def run_forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
         """`forward` on this rank alone (the rank op); ranks other than 0 return no logits."""
+        lora = None
+        if self.lora is not None and any(s.lora for s in segments):
+            split = lora_runner.forward_split(self, segments)  # more adapters than --max-loras-per-batch
+            if split is not None:
+                return split
+            lora = self.lora.batch([s.lora for s in segments], [len(s.tokens) for s in segments])
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -136,9 +150,13 @@ class ModelRunner:
             out_page=torch.tensor(out_page, dtype=torch.long, device=dev),
             out_offset=torch.tensor(out_off, dtype=torch.long, device=dev),
             native=getattr(self.backend, "native", None),  # the cpu backend's kernels
+            lora=lora,
         )
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), ctx)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        x = features.batch_embeds(segments, self.model.embed_tokens, ids_t, self.dtype)
+        extra = {} if x is None else {"input_embeds": x}  # only then: families without it run as before
+        hidden = self.model(ids_t, torch.tensor(pos, dtype=torch.long, device=dev), ctx, **extra)
+        features.capture_hidden(segments, hidden)
         # gather the rows that need logits, one lm_head call for all of them
         rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
@@ -176,6 +194,7 @@ class ModelRunner:
             "num_kv_heads": mc.num_kv_heads,
             "head_dim": mc.head_dim,
             "vocab_size": mc.vocab_size,
+            "hidden_size": mc.hidden_size,
             "context_length": self.context_length,
             "page_size": self.page_size,
             "max_total_tokens": self.pool.total_tokens,
@@ -185,4 +204,5 @@ class ModelRunner:
             "tp": self.tp.size,
             "attention_backend": self.backend.name,
             "kv_bytes_per_token": self.pool.page_bytes // self.page_size,
+            **lora_runner.info(self),
         }

@@ -51,7 +51,8 @@ def add_choices(parent: Req, n: int) -> None:
         Req(rid=choice_rid(parent.rid, i), token_ids=parent.token_ids[: parent.num_prompt_tokens],
             sampling=dataclasses.replace(sp, seed=choice_seed(sp.seed, i)), stream=parent.stream,
             logprobs=LogprobState(on=lp.on, top_k=lp.top_k), pd=parent.pd, created=parent.created,
-            resumed_tokens=parent.resumed_tokens, choice=Choice(group=parent.rid, index=i))
+            resumed_tokens=parent.resumed_tokens, choice=Choice(group=parent.rid, index=i),
+            extra_key=parent.extra_key, lora=parent.lora, priority=parent.priority)  # one cache namespace
         for i in range(1, n)
     ]
 

@@ -13,6 +13,12 @@ pages read-only and holds a lock on the deepest matched node (`lock`: +1 on ever
 A node with lock_ref 0 has only unlocked descendants, so every unlocked page is evictable by
 removing leaves, least recently used first (`evict`). Counters kept honest at every change:
 `cached_pages` (all pages in the tree) and `evictable_pages` (lock_ref 0).
+
+Tiers (engine/hicache, HiRadixCache): a node may also hold a host page (`host` >= 0) and may lose
+its device page (`page` -1): it then stays in the tree, reachable by `match_len`, and `match` stops
+at it (only device pages are handed out). Device residence is prefix-closed (a node on the device
+has its parent on the device), and `insert` gives a host-only node the inserting request's device
+page. Without tiers every node holds a device page and `host` stays -1.
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ from typing import NamedTuple
 
 
 class Node:
-    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access")
+    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash")
 
     def __init__(self, parent: Node | None, key: tuple, page: int) -> None:
         self.parent = parent
         self.key = key  # the page's token ids (a first page's: its namespace, then the ids)
-        self.page = page  # device page holding their KV (0 for the root)
+        self.page = page  # device page holding their KV (0 for the root; -1: not on the device)
         self.children: dict[tuple, Node] = {}
         self.lock_ref = 0
         self.last_access = 0
+        self.host = -1  # host-tier page holding a copy (engine/hicache; -1: none)
+        self.hash: bytes | None = None  # chained page hash (disk tier key), computed on first use
 
 
 class Match(NamedTuple):
@@ -68,7 +76,7 @@ class RadixCache:
         node, pages, now = self.root, [], next(self._clock)
         for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             child = node.children.get(key)
-            if child is None:
+            if child is None or child.page < 0:
                 break
             node = child
             node.last_access = now
@@ -76,7 +84,8 @@ class RadixCache:
         return Match(pages, node)
 
     def match_len(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> int:
-        """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch)."""
+        """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch); with tiers,
+        pages held on the host count too (a match loads them)."""
         node, n = self.root, 0
         for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             node = node.children.get(key)  # type: ignore[assignment]
@@ -115,6 +124,11 @@ class RadixCache:
                 assert i >= owned_from, "a matched page is missing from the tree (evicted while locked?)"
                 child = Node(node, key, pages[i])
                 node.children[key] = child
+                self.cached_pages += 1
+                self.evictable_pages += 1
+            elif child.page < 0:  # a host-only node (tiers): it takes this device page
+                assert i >= owned_from, "a matched page is not on the device"
+                child.page = pages[i]
                 self.cached_pages += 1
                 self.evictable_pages += 1
             elif child.page != pages[i] and i >= owned_from:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.features import Features
 from engine.logprobs import TopK
 from engine.sampling_params import SamplingParams
 
@@ -107,6 +108,21 @@ class Choice:
 
 
 @dataclass
+class SpecState:
+    """Speculative decoding (engine/speculative): this step's proposed tokens and the request's
+    acceptance record (the switch-off rule reads it)."""
+
+    draft: list[int] = field(default_factory=list)  # tokens proposed for this step ([] = a plain decode)
+    draft_probs: Any = None  # draft model, sampling: fp32 [len(draft), V], the q each was drawn from
+    accepted: int = -1  # drafts the last verify accepted (-1: none verified since the last settle)
+    proposed_total: int = 0
+    accepted_total: int = 0
+    rate: float = 1.0  # running acceptance (an average over recent verifies)
+    skip: int = 0  # steps left with speculation switched off for this request
+    backoff: int = 0  # length of the next switch-off
+
+
+@dataclass
 class Req:
     rid: str
     token_ids: list[int]  # prompt then output (copied on construction: the request owns it)
@@ -131,6 +147,10 @@ class Req:
     trace: Trace | None = None  # the service's spans of this request, or None (untraced)
     extra_key: str = ""  # cache salt: prefixes are shared only between requests with the same one
     lora: str = ""  # LoRA adapter name ("" = the base model)
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding (engine/speculative)
+    priority: int = 0  # --enable-priority-scheduling: the waiting order and preemption (engine.priority)
+    session_id: str = ""  # a session's request: its KV stays pinned once it ends (engine.sessions)
+    features: Features = field(default_factory=Features)  # hidden states, input embeds, ids' logprobs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -141,6 +161,8 @@ class Req:
     def cache_namespace(self) -> str:
         """The prefix-cache partition this request's KV belongs to (engine.radix_cache): KV computed
         under another adapter or cache salt is never reused. "" = the shared default."""
+        if self.features.namespace:  # input_embeds: placeholder ids, never shared (engine.features)
+            return self.features.namespace
         if not self.extra_key and not self.lora:
             return ""
         return f"{self.lora}\x1f{self.extra_key}"

@@ -128,20 +128,37 @@ class Sampler:
             r.grammar = self.grammars.matcher(spec, generated(r))
         return r.grammar
 
+    def probs(self, row: torch.Tensor, r: Sampled) -> torch.Tensor:
+        """The distribution a non-greedy draw for r takes from one row of raw logits (fp32 [V] ->
+        [V], summing to 1): processors, then temperature, top-k, top-p and min-p (no grammar).
+        Speculative decoding's rejection rule reads it (engine.speculative.verify)."""
+        row = row.float().cpu()
+        if r.sampling.has_processors:
+            row = process_logits(row, r, self.eos_ids)
+        probs = final_probs(row, r.sampling)
+        return probs / probs.sum()
+
     def _draw(self, row: torch.Tensor, r: Sampled) -> int:
         sp = r.sampling
-        probs = torch.softmax(row / sp.temperature, dim=-1)
-        if sp.top_k > 0 and sp.top_k < probs.shape[-1]:
-            kth = torch.topk(probs, sp.top_k).values[-1]
-            probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-        if sp.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = (cum - sorted_p) > sp.top_p * cum[-1]
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        if sp.min_p > 0.0:
-            probs = torch.where(probs >= sp.min_p * probs.max(), probs, torch.zeros_like(probs))
+        probs = final_probs(row, sp)
         g = torch.Generator()
         g.manual_seed(draw_seed(sp, r.rid, self.default_seed, len(generated(r))))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=g))
+
+
+def final_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Processed logits (fp32 [V]) -> the unnormalised probabilities a draw picks from: softmax at the
+    temperature, then top-k, top-p and min-p zero the tokens they drop."""
+    probs = torch.softmax(row / sp.temperature, dim=-1)
+    if sp.top_k > 0 and sp.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, sp.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if sp.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = (cum - sorted_p) > sp.top_p * cum[-1]
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    if sp.min_p > 0.0:
+        probs = torch.where(probs >= sp.min_p * probs.max(), probs, torch.zeros_like(probs))
+    return probs

@@ -7,7 +7,8 @@ Request lifecycle (colocated):
    host pool when pages run out; waiting requests are admitted into an extend batch under the token
    budget by the ExtendPlanner (one chunk of at most `chunked_prefill_size` each; a partial chunk
    ends the batch), keeping a reservation for the running requests' future tokens.
-3. One forward runs the extend chunks and all running decodes together (BatchExecutor).
+3. One forward runs the extend chunks and all running decodes together (BatchExecutor); with
+   --speculative a decode may verify its proposed tokens in the same forward (engine/speculative).
 4. Requests whose prompt completed join `running`; finished requests release every page
    (engine.lifecycle.finish_request) and everything to report goes to the `Outbox`, which the
    role drains (`drain`).
@@ -24,15 +25,19 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from engine import priority
 from engine.batch import BatchExecutor, ExtendItem, StepResult
 from engine.config import EngineConfig
 from engine.grammar import Grammars
+from engine.hicache import HiCacheSpec
 from engine.kv_manager import KVManager, reservation
 from engine.lifecycle import Outbox, finish_request
 from engine.model_runner import ModelRunner
 from engine.parallel import choices
 from engine.request import FinishReason, Req
 from engine.sampling import Sampler
+from engine.speculative.speculator import make_speculator
+from engine.speculative.stats import SpecStats
 from engine.stats import SchedulerStats
 from engine.stops import StopChecker, TailDecoder
 
@@ -171,8 +176,10 @@ class Scheduler:
         self.on_event = on_event
         self.cfg = cfg
         self.runner = runner
-        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.prefix_cache)
+        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.prefix_cache,
+                                  HiCacheSpec.from_config(cfg))
         self.exec = make_executor(runner, cfg)
+        self.spec = make_speculator(runner, cfg, self.kv, self.exec.sampler)  # None: --speculative off
         self.planner = ExtendPlanner(self.kv, cfg)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -228,17 +235,36 @@ class Scheduler:
     def step(self) -> None:
         """Schedule (reload, grow running requests, plan prompt chunks), run one forward, and
         postprocess: prompts done join `running`, sampled and finished requests go to the outbox."""
+        if self.cfg.enable_priority_scheduling:
+            self._prioritize()
         self._reload_retracted()
+        if self.cfg.enable_priority_scheduling and priority.preempt(self, time.monotonic()):
+            self._prioritize()
         decode = self._prepare_decode()
         order = self.waiting
-        if self.cfg.schedule_policy != "fcfs":
+        if self.cfg.enable_priority_scheduling:
+            order = list(self.waiting)  # already in priority order (with the policy's within a priority)
+        elif self.cfg.schedule_policy != "fcfs":
             order = order_waiting(self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s,
                                   time.monotonic(), self.kv.prefix_len)
         extend = self.planner.plan(order, self.running)
         result = self.exec.run(extend, decode)
         self._postprocess(result)
 
+    def _prioritize(self) -> None:
+        """--enable-priority-scheduling: `waiting` in priority order (the policy's within a priority,
+        engine.priority.order) and `running` most urgent first."""
+        now = time.monotonic()
+        base = list(self.waiting) if self.cfg.schedule_policy == "fcfs" else order_waiting(
+            self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s, now, self.kv.prefix_len)
+        ordered = priority.order(base, self.cfg, now)
+        self.waiting.clear()
+        self.waiting.extend(ordered)
+        priority.sort_running(self)
+
     def _postprocess(self, result: StepResult) -> None:
+        if self.spec is not None:
+            self.spec.settle(result.decoded)  # speculative totals, switch-off, rejected KV rolled back
         for r in result.decoded + [it.req for it in result.extended]:
             self.kv.trim(r)  # sliding-window models: drop pages no later query reads
         for it in result.extended:
@@ -290,6 +316,8 @@ class Scheduler:
             self.running.remove(r)
         if r in self.waiting:
             self.waiting.remove(r)
+        if self.spec is not None:
+            self.spec.forget(r)
         finish_request(r, self.kv, self.outbox, reason, error, code)
 
     def _reload_retracted(self) -> None:
@@ -304,14 +332,20 @@ class Scheduler:
                 self.on_event("reload", r)
 
     def _prepare_decode(self) -> list[Req]:
-        """Give every running request room for one more token, retracting when pages run out."""
+        """Give every running request room for one more token, retracting when pages run out. With
+        --speculative, its draft's tokens too (engine/speculative); drafts are dropped, all of them,
+        before anyone is retracted for them."""
+        if self.spec is not None:
+            self.spec.propose(self.running)
+            if sum(self.kv.extra_pages(r, 1 + len(r.spec.draft)) for r in self.running) > self.kv.free_pages:
+                self.spec.drop(self.running)
         need = sum(self.kv.extra_pages(r, 1) for r in self.running)
         while need > self.kv.free_pages and self.running:
             victim = self.running[-1]
             need -= self.kv.extra_pages(victim, 1)
             self.retract(victim)
         for r in self.running:
-            self.kv.grow(r, 1)
+            self.kv.grow(r, 1 + len(r.spec.draft))
         return list(self.running)
 
     def make_room(self, pages: int) -> bool:
@@ -345,4 +379,5 @@ class Scheduler:
             kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
             host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
             retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
-            window_freed_pages=self.kv.trimmed_pages, prefix=self.kv.cache_stats())
+            window_freed_pages=self.kv.trimmed_pages, prefix=self.kv.cache_stats(),
+            spec=self.spec.stats() if self.spec is not None else SpecStats())

@@ -19,6 +19,10 @@ Both are collectives: every rank of the group calls them in the same order, on t
 transfer's progress thread. The page ids travel with the op; the KV itself moves only in the
 gather/scatter collectives (rank 0's received pages are never pickled to the other ranks). A pool that
 holds every head on every rank (no KV sharding) gathers from rank 0 alone and scatters the full page.
+
+MLA (DeepSeek) latent pools [P, L, ps, kv_lora_rank + rope_dim] are replicated: a TP > 1 prefill sends rank
+0's pages as they are (service.pd.gathers_kv is False; no gather), and a TP > 1 decode receives ONE copy
+per decode group (the transfer moves it once) and `broadcast_latent`s it from rank 0 to the other ranks.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ def gather_pages(pool: torch.Tensor, tp: TPGroup, num_kv_heads: int, pages: list
     uint8 [len(pages), wire page_bytes]; other ranks return None."""
     idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
     shard = pool.index_select(0, idx)  # [n, L, 2, ps, h_r, D]
+    if pool.dim() == 4:  # MLA latent pages [n, L, ps, latent]: the same on every rank, rank 0's are whole
+        return to_wire(shard) if tp.driver else None
     slices = head_slices(num_kv_heads, tp.size, pool.shape[4])
     if tp.size == 1 or pool.shape[4] == num_kv_heads:  # rank 0 holds every head
         if tp.size > 1 and not tp.driver:
@@ -99,6 +105,9 @@ def scatter_pages(pool: torch.Tensor, tp: TPGroup, num_kv_heads: int, pages: lis
                   data: torch.Tensor | None) -> None:
     """Collective. Rank 0 passes `data`, uint8 [len(pages), wire page_bytes] (full pages); every rank
     stores its heads of them into pool[pages] (pool: [P, L, 2, ps, h_r, D])."""
+    if pool.dim() == 4:  # MLA latent pages: one received copy, broadcast to every rank
+        broadcast_latent(pool, tp, pages, data)
+        return
     n = len(pages)
     local = (n, *pool.shape[1:])  # [n, L, 2, ps, h_r, D]
     slices = head_slices(num_kv_heads, tp.size, pool.shape[4])
@@ -116,6 +125,24 @@ def scatter_pages(pool: torch.Tensor, tp: TPGroup, num_kv_heads: int, pages: lis
         dist.scatter(mine, parts, group=tp.group, group_src=0)
     idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
     pool.index_copy_(0, idx, mine)
+
+
+def broadcast_latent(pool: torch.Tensor, tp: TPGroup, pages: list[int], data: torch.Tensor | None) -> None:
+    """Collective (MLA). Rank 0 passes `data`, uint8 [len(pages), wire page_bytes]: latent pages
+    [L, ps, kv_lora_rank + rope_dim], which every rank needs whole (the latent is replicated, never sliced
+    by head). One broadcast from rank 0 over the group (a node-local copy: the wire carried it once), then
+    every rank stores them into pool[pages] (pool: [P, L, ps, latent])."""
+    if tp.driver:
+        if data is None:
+            raise ValueError("rank 0 must pass the received pages to scatter")
+        pages_t = from_wire(data, tuple(pool.shape[1:]), pool.dtype).to(pool.device)
+    else:
+        pages_t = pool.new_empty((len(pages), *pool.shape[1:]))
+    if tp.size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(pages_t, group=tp.group, group_src=0)
+    pool.index_copy_(0, torch.tensor(pages, dtype=torch.long, device=pool.device), pages_t)
 
 
 def gather(runner: ModelRunner, pages: list[int]) -> torch.Tensor:

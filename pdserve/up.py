@@ -40,6 +40,7 @@ from common.procs import Child, free_port, http_ok, stop_all
 from engine.config import EMBEDDED_MODEL
 from engine.cpus import cpu_budget, threads_per_worker
 from pdserve.supervise import POLICIES, Supervisor
+from service.lora_args import add_lora_args, lora_flags
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,19 @@ class UpConfig:
     worker_args: str = ""
     prefill_args: str = ""
     decode_args: str = ""
+    enable_priority_scheduling: bool = False  # passed to every worker (engine.priority)
+    schedule_low_priority_values_first: bool = False
+    hicache_host_tokens: int = 0  # passed to every worker (engine/hicache); 0: off
+    hicache_write_policy: str = "write_back"
+    hicache_dir: str = ""
+    hicache_disk_bytes: int = 1 << 30
+    speculative: str = ""  # passed to every worker (engine/speculative); "": off
+    num_speculative_tokens: int = 4
+    draft_model: str = ""
+    lora_paths: tuple[str, ...] = ()  # passed to every worker (engine/lora, service/lora_args.py)
+    max_loaded_loras: int = 0
+    max_lora_rank: int = 64
+    max_loras_per_batch: int = 8
     otlp_endpoint: str = ""
     log_format: str = "text"
     startup_timeout: float = 900.0
@@ -122,6 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra flags for the decode workers only, one shell-quoted string "
         "(e.g. '--local-prefill-threshold 0' to disaggregate every prompt)",
     )
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="every worker orders waiting requests by their 'priority' and lets urgent ones preempt "
+                        "less urgent running ones (see pdserve colocated --help); the router forwards 'priority'")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: a lower 'priority' value is more urgent")
+    p.add_argument("--hicache-host-tokens", type=int, default=d.hicache_host_tokens,
+                   help="every worker keeps evicted prefix-cache pages in a host tier of this many tokens "
+                        "(0: off; see pdserve colocated --help)")
+    p.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=("write_back", "write_through"),
+                   help="with --hicache-host-tokens: when pages are copied to the host (see pdserve colocated --help)")
+    p.add_argument("--hicache-dir", default=d.hicache_dir,
+                   help="with --hicache-host-tokens: disk tier directory (each worker keeps its own subdirectory)")
+    p.add_argument("--hicache-disk-bytes", type=int, default=d.hicache_disk_bytes,
+                   help="with --hicache-dir: each worker's disk tier bound in bytes")
+    p.add_argument("--speculative", default=d.speculative, choices=("ngram", "draft"),
+                   help="speculative decoding on every decode (prefills get it too: the pair must agree); "
+                        "ngram or draft (see pdserve decode --help; --ngram-min/--ngram-max and the switch-off "
+                        "flags go in --worker-args)")
+    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="with --speculative: tokens proposed per step")
+    p.add_argument("--draft-model", default=d.draft_model, help="with --speculative draft: the draft model directory")
+    add_lora_args(p)  # passed to every worker
     add_observability_args(p)  # --otlp-endpoint, --log-format: passed to the router and every worker
     p.add_argument(
         "--startup-timeout", type=float, default=d.startup_timeout, help="seconds to wait for everything to be healthy"
@@ -193,6 +229,24 @@ def _observability_flags(a: UpConfig) -> list[str]:
     return flags + ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else flags
 
 
+def _hicache_flags(a: UpConfig) -> list[str]:
+    """The --hicache-* flags every worker gets (none while the host tier is off)."""
+    if not a.hicache_host_tokens:
+        return ["--hicache-dir", a.hicache_dir] if a.hicache_dir else []  # the worker refuses it, naming the flag
+    out = ["--hicache-host-tokens", str(a.hicache_host_tokens), "--hicache-write-policy", a.hicache_write_policy,
+           "--hicache-disk-bytes", str(a.hicache_disk_bytes)]
+    return out + (["--hicache-dir", a.hicache_dir] if a.hicache_dir else [])
+
+
+def _spec_flags(a: UpConfig) -> list[str]:
+    """The speculative-decoding flags every worker gets (none while off; a stray --draft-model is passed so
+    the worker refuses it, naming the flag)."""
+    out = ["--draft-model", a.draft_model] if a.draft_model else []
+    if not a.speculative:
+        return out
+    return out + ["--speculative", a.speculative, "--num-speculative-tokens", str(a.num_speculative_tokens)]
+
+
 def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
     child = Child(name, argv, log_dir / f"{name}.log", url=url)
     print(f"started {name} pid {child.pid}: {url} (log {child.log_path})", flush=True)
@@ -206,6 +260,11 @@ def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child
     extra = shlex.split(a.worker_args) + _observability_flags(a)
     if a.max_total_tokens:
         extra += ["--max-total-tokens", str(a.max_total_tokens)]
+    extra += [f for f, on in (("--enable-priority-scheduling", a.enable_priority_scheduling),
+                              ("--schedule-low-priority-values-first", a.schedule_low_priority_values_first)) if on]
+    extra += _hicache_flags(a)
+    extra += _spec_flags(a)
+    extra += lora_flags(a)
     threads = worker_threads(a, extra)
     if threads is not None:
         extra += ["--threads", str(threads)]

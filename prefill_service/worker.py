@@ -38,8 +38,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine import priority
 from engine.batch import ExtendItem
 from engine.config import EngineConfig
+from engine.features import to_meta
+from engine.hicache import spec_for_server
 from engine.kv_manager import KVManager
 from engine.lifecycle import Outbox, finish_request
 from engine.model_runner import ModelRunner
@@ -90,7 +93,7 @@ class PrefillRole:
         if req is None:
             return [bad]  # type: ignore[list-item]
         try:
-            sender = self.mgr.create_sender(req.pd.room, req.input_ids)
+            sender = self.mgr.create_sender(req.pd.room, req.input_ids, req.cache_namespace)
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
         start = self.kv.window_start(req.num_prompt_tokens)  # the decode reads nothing before it
@@ -131,6 +134,8 @@ class PrefillRole:
         """This step's prompt chunks, in --schedule-policy order, their pages allocated."""
         order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
                               self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
+        if self.cfg.enable_priority_scheduling:  # the most urgent prompts first (engine.priority)
+            order = priority.order(order, self.cfg, time.monotonic())
         items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
         return items
@@ -178,6 +183,7 @@ class PrefillRole:
                     meta["first_top_logprobs"] = list(r.logprobs.output_top[0])
                 if r.choice.forks:  # n > 1: every other choice's first token, sampled from the same row
                     meta.update(fork_meta(r))
+                meta.update(to_meta(r.features))  # hidden states, token_ids_logprob (engine.features)
                 self._send(room, r.kv.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.kv.pages)
                 room.t_last_sent = time.monotonic()
@@ -283,7 +289,8 @@ def run_prefill_worker(cfg: ServerConfig, make_runner: Callable[[EngineConfig], 
     setup_process(cfg)
     runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache)
+    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
+                   spec_for_server(cfg))
     role = PrefillRole(cfg.engine, runner, kv, mgr)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}

@@ -25,10 +25,12 @@ from starlette.routing import Match
 
 from common import api_schema
 from common.api_requests import validate
+from router import lora
 from router.asgi import ProxyEndpoints, auth_error, parse_json
 from router.client import WorkerClient
 from router.config import RouterConfig, WorkerSpec
 from router.discovery_k8s import K8sDiscovery
+from router.embeddings import add_embeddings_route
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.policies import make_policy
@@ -36,6 +38,7 @@ from router.prefix_index import PrefixIndex
 from router.protocol import error_body
 from router.proxy import Proxy
 from router.registry import Registry
+from router.sessions import add_session_routes
 
 log = logging.getLogger("router.app")
 
@@ -121,7 +124,18 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
     async def models(request: Request) -> Response:
         if denied := _authorized(cfg, request):
             return denied
-        for w in st.registry.eligible("decode"):
+        decodes = st.registry.eligible("decode")
+        if any(w.loras for w in decodes):  # LoRA: every decode's adapters in one list (router/lora.py)
+            bodies = []
+            for w in decodes:
+                try:
+                    r = await st.client.http.get(f"{w.url}/v1/models", timeout=10.0)
+                    bodies += [r.json()] if r.is_success else []
+                except (httpx.HTTPError, ValueError) as e:
+                    log.info("GET %s/v1/models failed: %r", w.url, e)
+            if bodies:
+                return JSONResponse(lora.merge_models(bodies))
+        for w in decodes:
             try:
                 r = await st.client.http.get(f"{w.url}/v1/models", timeout=10.0)
             except httpx.HTTPError as e:
@@ -158,6 +172,8 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
         return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers)
 
     _add_admin_routes(app, cfg, st)
+    add_session_routes(app)  # refused with a 400 (PD keeps no sessions)
+    add_embeddings_route(app, cfg, st)  # POST /v1/embeddings to --embeddings-pool (router/embeddings.py)
     _add_api_docs(app)
     return ProxyEndpoints(app, st)
 

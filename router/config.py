@@ -82,6 +82,7 @@ class RouterConfig:
     workers: tuple[WorkerSpec, ...] = ()
     prefill_policy: str = "least_load"
     decode_policy: str = "least_load"
+    embeddings_pool: str = "prefill"  # POST /v1/embeddings goes to a worker of this role (router.embeddings)
     request_timeout_s: float = 600.0  # per attempt; for streams: until the first token, then between events
     connect_timeout_s: float = 5.0
     max_retries: int = 2  # extra attempts on another pair when a side fails before the first token
@@ -105,6 +106,7 @@ class RouterConfig:
         need(0 <= self.port < 65536, "--port must be in 0..65535")
         need(self.prefill_policy in POLICIES, f"--prefill-policy must be one of {POLICIES}")
         need(self.decode_policy in POLICIES, f"--decode-policy must be one of {POLICIES}")
+        need(self.embeddings_pool in WORKER_ROLES, f"--embeddings-pool must be one of {WORKER_ROLES}")
         need(self.request_timeout_s > 0, "--request-timeout must be > 0")
         need(self.connect_timeout_s > 0, "connect timeout must be > 0")
         need(self.max_retries >= 0, "--max-retries must be >= 0")

@@ -12,6 +12,7 @@ import logging
 
 import httpx
 
+from router import lora
 from router.client import WorkerClient
 from router.registry import Registry, Worker
 
@@ -33,6 +34,8 @@ class HealthChecker:
             r = await self.client.http.get(f"{w.url}/health", timeout=self.timeout_s)
             ok = r.status_code == 200
             reason = f"/health answered {r.status_code}"
+            if ok:
+                w.loras = lora.adapters_of(r)
             if ok and (not w.served_model_name or (w.role == "prefill" and w.bootstrap_port is None)):
                 self._apply_server_info(w, await self.client.server_info(w, self.timeout_s))
         except (httpx.HTTPError, ValueError) as e:

@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"how a decode worker is picked (default {d.decode_policy})",
     )
     p.add_argument(
+        "--embeddings-pool",
+        choices=("prefill", "decode"),
+        default=None,
+        help=f"POST /v1/embeddings is forwarded, body untouched, to the least loaded healthy worker of this "
+        f"pool (default {d.embeddings_pool}): a forward without generation, like a prefill's",
+    )
+    p.add_argument(
         "--cache-threshold",
         type=float,
         default=None,

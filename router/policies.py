@@ -13,6 +13,8 @@ failed this request before calling, and fall back to the full list if nothing is
                 a new prefix). Load guard: when the winner's outstanding requests exceed the least
                 loaded one's by both `abs_threshold` and `rel_threshold`x, least_load decides, so
                 one hot prefix cannot pin a worker. The picked worker's tree then holds the prompt.
+                A request with a `routing_key` is routed by a digest of the key instead of its
+                prompt (router.protocol), so requests sharing a key stay on one worker.
 """
 
 from __future__ import annotations

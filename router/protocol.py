@@ -7,6 +7,7 @@ what it needs itself: one prompt per request (a request is one bootstrap room), 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
 CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
 LIST_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+ROUTING_KEY_MAX = 256
 
 
 class BadRequest(ValueError):
@@ -84,6 +86,8 @@ def _prompt_of(endpoint: str, body: dict) -> str | list[int]:
         )
         return prompt
     text, ids = body.get("text"), body.get("input_ids")
+    if text is None and ids is None and isinstance(body.get("input_embeds"), list):
+        return ""  # issue 40: the workers check the embeddings (forwarded untouched); no prefix to route by
     _need((text is None) != (ids is None), "give exactly one of 'text' and 'input_ids'")
     _need(
         isinstance(text, str) or _is_id_list(ids),
@@ -118,6 +122,7 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
     _need(isinstance(stream, bool), "'stream' must be true or false")
     prompt = _prompt_of(endpoint, body)
     prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+    prefix = _routing(body) or prefix
     tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
     if endpoint == "/generate":  # SGLang: logprob_start_len -1 (the default) asks for no prompt logprobs
         start = body.get("logprob_start_len")
@@ -136,6 +141,21 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
         input_logprobs=input_lp,
         n=_choices(endpoint, body),
     )
+
+
+def _routing(body: dict) -> str:
+    """The cache_aware policy's routing string of a request with a `routing_key` (a digest of the key
+    alone, so requests with one key land on one worker, issue 40), else "". Sessions are refused:
+    a PD pair does not keep a session's history (colocated services do)."""
+    _need(body.get("session_params") is None,
+          "'session_params': sessions are served by colocated services; a prefill/decode router does not keep "
+          "them (send the whole history)")
+    key = body.get("routing_key")
+    if key is None:
+        return ""
+    _need(isinstance(key, str) and 0 < len(key) <= ROUTING_KEY_MAX,
+          f"'routing_key' must be a non-empty string of at most {ROUTING_KEY_MAX} characters")
+    return hashlib.sha256(key.encode()).hexdigest() * 4  # 256 characters: whole prefix-index blocks
 
 
 def _choices(endpoint: str, body: dict) -> int:

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 from common import tracing
-from router import reqlog, spans
+from router import lora, reqlog, spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
 from router.metrics import RouterMetrics
@@ -178,10 +178,10 @@ class Proxy:
         return self._relay(req, start, p, d, room, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
-    async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None) -> Worker:
+    async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None, adapter: str = "") -> Worker:
         if span is not None:
-            return await spans.traced_pick(lambda: self._pick(role, prefix, tried), span, role, len(tried),
-                                           lambda: len(self.registry.eligible(role)))
+            return await spans.traced_pick(lambda: self._pick(role, prefix, tried, None, adapter), span, role,
+                                           len(tried), lambda: len(self.registry.eligible(role)))
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
             raise ProxyError(
@@ -190,7 +190,7 @@ class Proxy:
                 retry_after_s=self.retry_after_s,
             )
         fresh = [w for w in eligible if w.url not in tried]
-        return self.policies[role].pick(fresh or eligible, prefix)
+        return self.policies[role].pick(lora.prefer(fresh or eligible, adapter), prefix)
 
     async def _with_retries(self, req: ProxyRequest, attempt, avoid_decode: str = ""):
         tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}}
@@ -200,8 +200,8 @@ class Proxy:
                 self.metrics.retries.inc()
             span = None if req.trace is None else spans.attempt_span(req.trace, n)
             try:
-                p = await self._pick("prefill", req.prefix, tried["prefill"], span)
-                d = await self._pick("decode", req.prefix, tried["decode"], span)
+                p = await self._pick("prefill", req.prefix, tried["prefill"], span, lora.adapter_of(req))
+                d = await self._pick("decode", req.prefix, tried["decode"], span, lora.adapter_of(req))
                 room = secrets.randbits(63)
                 if span is not None:
                     span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})

@@ -29,6 +29,7 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     served_model_name: str = ""
+    loras: frozenset[str] = frozenset()  # LoRA adapters the worker holds (its /health; router/lora.py)
     source: str = "static"  # static | admin | k8s
     ejections: int = field(default=0)
 

@@ -10,9 +10,12 @@ from typing import Any
 from service.channels import Endpoints, FrontendChannels
 from service.messages import (
     AbortReq,
+    EmbedOut,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
+    LoraOut,
+    LoraReq,
     StatsOut,
     StatsReq,
     TokenBatch,
@@ -58,7 +61,7 @@ class WorkerBridge:
                     fut = self.stats_waiters.pop(msg.token, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
-            elif isinstance(msg, FlushCacheOut):
+            elif isinstance(msg, (FlushCacheOut, LoraOut, EmbedOut)):
                 fut = self.stats_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -112,6 +115,22 @@ class WorkerBridge:
             return None
         finally:
             self.stats_waiters.pop(token, None)
+
+    async def lora(self, msg: LoraReq, timeout: float = 60.0) -> LoraOut | None:
+        """A LoRA load/unload round trip (msg.token is set here); None when the worker is not running
+        or does not answer within `timeout`."""
+        if not self.usable:
+            return None
+        msg.token = next(self.tokens)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.stats_waiters[msg.token] = fut
+        try:
+            await self.send(msg)
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.stats_waiters.pop(msg.token, None)
 
     def fail_all(self, reason: str) -> None:
         """The worker is gone: every pending request ends with a 503."""

@@ -21,8 +21,8 @@ from service import messages as m
 
 log = logging.getLogger("pdserve.channels")
 
-ToWorker = m.GenerateReq | m.AbortReq | m.StatsReq | m.FlushCacheReq
-ToFrontend = m.TokenBatch | m.StatsOut | m.FlushCacheOut
+ToWorker = m.GenerateReq | m.AbortReq | m.StatsReq | m.FlushCacheReq | m.LoraReq
+ToFrontend = m.TokenBatch | m.StatsOut | m.FlushCacheOut | m.LoraOut
 T = TypeVar("T")
 
 

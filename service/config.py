@@ -19,7 +19,11 @@ from common.logs import add_observability_args
 from common.secrets import read_secret
 from common.tracing import traces_url
 from engine.config import CPU_DEFAULT_TOKENS, EMBEDDED_MODEL, EngineConfig
+from service import request_options
 from service.channels import Endpoints
+from service.lora_args import add_lora_args
+from service.reasoning import STYLES as REASONING_STYLES
+from service.speculative import add_speculative_args, spec_config
 from transfer.config import TransferConfig
 
 ROLES = ("colocated", "prefill", "decode")
@@ -78,6 +82,8 @@ class ServerConfig:
     ipc_dir: str = ""  # where the zmq ipc sockets live; "" = a fresh temp dir
     otlp_endpoint: str = ""  # OTLP/HTTP collector for traces; "" = OTEL_* variables or off
     log_format: str = "text"  # text | json (JSON lines with the trace id)
+    reasoning_parser: str = ""  # chat: split <think> reasoning from content (service.reasoning); "" = off
+    embedding_pooling: str = "last"  # POST /v1/embeddings: last | mean (service.embeddings)
 
     @property
     def endpoints(self) -> Endpoints:
@@ -91,6 +97,10 @@ class ServerConfig:
             raise ValueError("--port must be in 0..65535")
         if self.otlp_endpoint:
             traces_url(self.otlp_endpoint)  # ValueError naming --otlp-endpoint
+        if self.reasoning_parser not in ("", *REASONING_STYLES):
+            raise ValueError(f"--reasoning-parser must be one of {REASONING_STYLES}, got {self.reasoning_parser!r}")
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ValueError(f"--embedding-pooling must be last or mean, got {self.embedding_pooling!r}")
 
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -147,12 +157,23 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                         "the machine's CPUs among the workers it starts). Ignored for GPU compute. With --tp: "
                         "per rank (0: this node's CPUs split across its ranks)")
     _add_tp_args(p)
+    _add_hicache_args(p)
+    add_lora_args(p)  # service/lora.py
+    add_speculative_args(p)  # service/speculative.py
+    request_options.add_args(p, role)  # --enable-priority-scheduling ..., --session-timeout (issue 40)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     s.add_argument("--port", type=int, default=30000, help="HTTP port")
     s.add_argument("--internal-token-file", default=None,
                    help="file holding a token; when set, requests must carry it in header x-pdserve-token")
     s.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    s.add_argument("--reasoning-parser", default="", choices=("", *REASONING_STYLES),
+                   help="chat replies: text inside <think>...</think> goes to message.reasoning_content (streamed "
+                        "as delta.reasoning_content), the rest to content. qwen3: reasoning only when the reply "
+                        "opens with <think>; deepseek-r1: the reply starts inside reasoning (the open tag optional)")
+    s.add_argument("--embedding-pooling", default="last", choices=("last", "mean"),
+                   help="POST /v1/embeddings: the last token's final hidden state or the mean over the input's "
+                        "tokens, L2-normalised")
     add_observability_args(s)
     if role in ("prefill", "decode"):
         dp = PDConfig()
@@ -206,6 +227,26 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="file holding a shared token; control messages without it are refused")
 
 
+def _add_hicache_args(p: argparse.ArgumentParser) -> None:
+    """Host and disk tiers under the prefix cache (engine/hicache; docs/architecture.md, "Host tier")."""
+    d = EngineConfig()
+    g = p.add_argument_group("hierarchical prefix cache",
+                             "evicted prefix-cache pages go to host memory (and on to local disk) instead of "
+                             "being dropped; a later prompt with that prefix loads them back before its extend")
+    g.add_argument("--hicache-host-tokens", type=int, default=d.hicache_host_tokens,
+                   help="host tier size in tokens (0, the default: off, evicted prefixes are dropped). Apart from "
+                        "--host-kv-tokens (retraction's pool). Not with --tp > 1")
+    g.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=("write_back", "write_through"),
+                   help="write_back (default): a page is copied to the host when the device evicts it (one copy, "
+                        "only of what is evicted); write_through: when the request that computed it finishes "
+                        "(eviction then moves nothing)")
+    g.add_argument("--hicache-dir", default="",
+                   help="disk tier: pages evicted from the host tier are written as checksummed files under this "
+                        "directory (a subdirectory per worker, emptied at start; needs --hicache-host-tokens)")
+    g.add_argument("--hicache-disk-bytes", type=int, default=d.hicache_disk_bytes,
+                   help="disk tier bound in bytes (least recently used files removed beyond it; default 1 GiB)")
+
+
 def _add_tp_args(p: argparse.ArgumentParser) -> None:
     """Tensor parallelism flags (engine/tp_ranks.py; SGLang's names for the multi-node ones)."""
     g = p.add_argument_group(
@@ -248,7 +289,8 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
     eng = build(EngineConfig, ns, device=device,
                 dtype=ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32"),
                 max_total_tokens=ns.max_total_tokens or default_tokens,
-                prefix_cache=not getattr(ns, "disable_prefix_cache", False))
+                prefix_cache=not getattr(ns, "disable_prefix_cache", False),
+                lora_paths=tuple(getattr(ns, "lora_paths", None) or ()), spec=spec_config(ns))
     pd = PDConfig()
     if role in ("prefill", "decode"):
         adv = ns.advertise_host or (ns.host if ns.host not in ("0.0.0.0", "::") else "127.0.0.1")

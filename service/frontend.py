@@ -11,7 +11,7 @@ Request path:
   5. one log line per request: rid, room, tokens, ttft, e2e; TTFT/ITL/e2e histograms
 
 GET /health /server_info (/get_server_info) /model_info (/get_model_info) /v1/models /metrics;
-POST /generate /v1/completions /v1/chat/completions /abort_request.
+POST /generate /v1/completions /v1/chat/completions /abort_request /load_lora_adapter /unload_lora_adapter.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ from common.api_requests import AbortRequest
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
 from engine.grammar import Grammars
+from service import embeddings
 from service.config import ServerConfig
+from service.lora import AdapterTable, ModelNotFound
+from service.lora_routes import lora_routes
 from service.messages import AbortReq
 from service.metrics import CONTENT_TYPE, FrontendMetrics
 from service.protocol import (
@@ -50,6 +53,7 @@ from service.protocol import (
     parse_json_body,
 )
 from service.responses import DONE, RequestTracker, choices_body, sse, stream_chunks, usage_chunk
+from service.sessions import SessionStore, add_session_routes, record_finished
 from service.stats import internal_state
 from service.tokenizer import PromptTooLong
 
@@ -73,6 +77,8 @@ class FrontendState:
     metrics: FrontendMetrics = field(default_factory=FrontendMetrics)
     started: float = field(default_factory=time.time)
     grammars: Grammars | None = None  # structured-output grammars are compiled at parse time (built on ready)
+    loras: AdapterTable = field(default_factory=AdapterTable)  # LoRA adapters and their requests (service/lora.py)
+    sessions: SessionStore | None = None  # colocated: open sessions (service/sessions.py), set in create_app
     # JSON, tokenization, chat templates and grammar compiles run here, never on the event loop; one
     # thread keeps requests reaching the worker in arrival order (the tokenizer releases the GIL)
     parse_pool: ThreadPoolExecutor = field(
@@ -98,8 +104,10 @@ class FrontendState:
         vocab = int(info.get("vocab_size") or self.tokenizer.vocab_size)
         if self.grammars is None or self.grammars.key[1] != vocab:  # the model's vocabulary, not the tokenizer's
             self.warm_grammars(vocab)
+        self.loras.sync(info)
         return Limits(role=self.config.role, context_length=ctx, vocab_size=vocab,
-                      model_name=self.served_name(), grammars=self.grammars)
+                      model_name=self.served_name(), grammars=self.grammars,
+                      hidden_size=int(info.get("hidden_size") or 0), sessions=self.sessions, loras=self.loras)
 
     async def parse(self, parse: Parser, raw: bytes) -> ParsedRequest:
         """`parse` of the body `raw`, run on `parse_pool` so the loop keeps relaying other requests'
@@ -155,6 +163,7 @@ def _log_finish(trs: list[RequestTracker], status: int, endpoint: str, state: Fr
     for itl in tr.itls:
         m.itl.observe(itl)
     m.e2e.observe(e2e)
+    record_finished(state.sessions, tr.parsed, tr.output_ids, status)  # a session's request: its tokens
     fields = {"rid": tr.rid, "room": tr.parsed.req.bootstrap_room, "status": status, "finish": tr.finish_reason,
               "prompt_tokens": tr.prompt_tokens, "completion_tokens": completion, "n": len(trs),
               "cached_tokens": tr.cached_tokens, "ttft": None if ttft is None else round(ttft, 4),
@@ -249,6 +258,7 @@ def _release(state: FrontendState, trs: list[RequestTracker]) -> bool:
     tr.released = True
     state.bridge.close(tr.rid)
     state.in_flight -= 1
+    state.loras.release(tr.parsed.req.lora)
     return True
 
 
@@ -289,16 +299,21 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
         return _error(f"request body over {MAX_BODY_BYTES} bytes", 413)
     try:
         parsed = await state.parse(parse, raw)
+        if parsed.kind == "chat":
+            parsed.reasoning = state.config.reasoning_parser
         if state.draining:  # SIGTERM came while the request was parsed off the loop
             return _error("the service is shutting down", 503)
         queue = state.bridge.open(parsed.req.rid)
     except RequestError as e:
         state.metrics.requests.inc(endpoint=endpoint, status=str(e.status))
+        if isinstance(e, ModelNotFound):  # OpenAI's model_not_found body
+            return JSONResponse(e.body(), status_code=e.status)
         return _error(e.message, e.status)
     except KeyError:
         state.metrics.requests.inc(endpoint=endpoint, status="400")
         return _error("a request with this rid is already running", 400)
     state.in_flight += 1
+    state.loras.acquire(parsed.req.lora)
     trs = [RequestTracker(parsed, state.tokenizer, t0, i) for i in range(parsed.choices)]
     tr = trs[0]
     if tracing.enabled():
@@ -325,7 +340,8 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not b.ready.is_set():
             return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse({"status": "ok", "role": state.config.role})
+        state.loras.sync(b.info)  # the router prefers workers that hold a request's adapter (router/lora.py)
+        return JSONResponse({"status": "ok", "role": state.config.role, "lora_adapters": sorted(state.loras.paths)})
 
     async def server_info() -> JSONResponse:
         stats = await state.bridge.stats(timeout=2.0)
@@ -348,7 +364,8 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
         card = {"id": state.served_name(), "object": "model", "created": int(state.started),
                 "owned_by": "pdserve", "root": state.model_dir,
                 "max_model_len": state.limits().context_length}
-        return JSONResponse({"object": "list", "data": [card]})
+        lim = state.limits()  # syncs the adapter table
+        return JSONResponse({"object": "list", "data": [card, *lim.loras.cards(int(state.started), card["id"])]})
 
     async def metrics() -> Response:
         stats = await state.bridge.stats(timeout=1.0)
@@ -408,7 +425,12 @@ def create_app(state: FrontendState) -> Any:
     app.post("/abort_request", responses=api_schema.errors(400, 401, 503),
              openapi_extra=api_schema.body_docs(AbortRequest))(abort_request)
     app.post("/flush_cache", responses=api_schema.errors(401, 409, 503))(flush_cache)
+    if state.config.role == "colocated" and state.sessions is None:
+        state.sessions = SessionStore(state.config.engine.session_timeout_s)
+    add_session_routes(app, state)  # POST /open_session, /close_session
     _info_routes(app, state)
+    embeddings.add_route(app, state)  # POST /v1/embeddings (service/embeddings.py)
+    lora_routes(app, state)
     if state.config.internal_token:
         return TokenAuth(app, state.config.internal_token)
     return app

@@ -8,8 +8,8 @@ decode, never a half-read message.
 A GenerateReq is already valid when it is built (the frontend parsed the HTTP body once: sampling
 parameters, prompt, bootstrap fields); the worker only checks what only it knows (KV capacity).
 
-Direction frontend -> worker: GenerateReq, AbortReq, StatsReq, FlushCacheReq.
-Direction worker -> frontend: TokenBatch, StatsOut, FlushCacheOut.
+Direction frontend -> worker: GenerateReq, AbortReq, CloseSessionReq, StatsReq, FlushCacheReq, LoraReq, EmbedReq.
+Direction worker -> frontend: TokenBatch, StatsOut, FlushCacheOut, LoraOut, EmbedOut.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ class GenerateReq:
     prefill_here: bool = False
     # parallel sampling: n choices over one prompt computed once (engine.parallel); 1..MAX_N
     n: int = 1
+    # scheduling and cache (issue 40): priority (engine.priority), cache salt (Req.extra_key), the
+    # session whose KV this request's end pins (engine.sessions; "" none)
+    priority: int = 0
+    extra_key: str = ""
+    session_id: str = ""
+    # engine.features (issue 40): last-layer hidden states, the prompt as float32 input embeddings
+    # [len(input_ids), H] (its ids then placeholders), logprobs of these ids at every step
+    return_hidden_states: bool = False
+    input_embeds: bytes = b""
+    token_ids_logprob: list[int] = field(default_factory=list)
+    lora: str = ""  # LoRA adapter name ("" = the base model; the frontend checked it is loaded)
     version: int = 2  # 2: n
 
 
@@ -60,6 +71,14 @@ class AbortReq:
     room: int | None = None
     abort_all: bool = False
     reason: str = "aborted by client"
+    version: int = VERSION
+
+
+@dataclass
+class CloseSessionReq:
+    """A session was closed (POST /close_session) or expired: the worker drops its KV pin."""
+
+    session_id: str
     version: int = VERSION
 
 
@@ -86,6 +105,30 @@ class FlushCacheOut:
     ok: bool  # False: requests are in flight, nothing was flushed
     message: str
     freed_tokens: int = 0  # KV tokens the flush returned to the pool
+    version: int = VERSION
+
+
+@dataclass
+class LoraReq:
+    """Load (from `path`) or unload LoRA adapter `name` (service/lora.py); `busy`: adapters requests
+    use (never evicted). `token` pairs the LoraOut."""
+
+    token: int
+    op: str  # load | unload
+    name: str
+    path: str = ""
+    busy: list[str] = field(default_factory=list)
+    version: int = VERSION
+
+
+@dataclass
+class LoraOut:
+    token: int
+    ok: bool
+    code: int  # HTTP status: 200, 400 bad adapter, 404 not loaded, 409 no free slot
+    message: str
+    evicted: str = ""  # the adapter a load evicted ("" none)
+    seconds: float = 0.0  # load time
     version: int = VERSION
 
 
@@ -120,6 +163,12 @@ class TokenOut:
     completion_tokens: int = 0
     cached_tokens: int = 0
     index: int = 0  # the choice (n > 1) these tokens belong to
+    # engine.features.report: the prompt's hidden states [T][H] (once), one [H] per later decode step;
+    # token_ids_logprob values per new output token and per reported prompt position (once)
+    hidden_prompt: list[list[float]] = field(default_factory=list)
+    hidden_output: list[list[float]] = field(default_factory=list)
+    ids_output: list[list[float]] = field(default_factory=list)
+    ids_input: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -140,7 +189,29 @@ class StatsOut:
     version: int = 2  # 2: typed stats (1: one untyped info dict)
 
 
-CODEC = Codec("service message", GenerateReq, AbortReq, StatsReq, FlushCacheReq, TokenOut, TokenBatch, StatsOut,
-              FlushCacheOut, *STATS_PARTS)
+@dataclass
+class EmbedReq:
+    """POST /v1/embeddings (service.embeddings): pooled final hidden states of each input's ids, over
+    `pooling` ("last" | "mean"), truncated to `dimensions` (0: all) and L2-normalised. `token` pairs
+    the EmbedOut."""
+
+    token: int
+    inputs: list[list[int]]
+    pooling: str = "last"
+    dimensions: int = 0
+    version: int = VERSION
+
+
+@dataclass
+class EmbedOut:
+    token: int
+    data: list[list[float]]  # one vector per input, in order
+    error: str = ""  # set (and data empty) when the worker could not compute them
+    status: int = 0  # HTTP status of the error
+    version: int = VERSION
+
+
+CODEC = Codec("service message", GenerateReq, AbortReq, CloseSessionReq, StatsReq, FlushCacheReq, TokenOut,
+              TokenBatch, StatsOut, FlushCacheOut, LoraReq, LoraOut, EmbedReq, EmbedOut, *STATS_PARTS)
 encode = CODEC.encode
 decode = CODEC.decode

@@ -92,6 +92,44 @@ def _counter_field(name: str) -> WorkerMetric:
                     lambda s: getattr(s.counters, name))
 
 
+def _hicache_metrics() -> tuple[WorkerMetric, ...]:
+    """Per-tier metrics of the prefix cache's host/disk tiers (engine/hicache; label name = device,
+    host or disk); none rendered while the tiers are off."""
+    def tier(stat: str) -> Callable[[WorkerStats], Value]:
+        return lambda s: s.prefix.tiers.get(stat) or None
+
+    return (_counter("hicache_hit_tokens_total", "prompt tokens served from each cache tier", tier("hit_tokens")),
+            _counter("hicache_loaded_bytes_total", "KV bytes loaded into device pages from each lower tier",
+                     tier("loaded_bytes")),
+            _counter("hicache_load_seconds_total", "seconds spent loading KV from each lower tier",
+                     tier("load_seconds")),
+            _counter("hicache_evictions_total", "pages evicted from each cache tier", tier("evictions")),
+            _gauge("hicache_bytes_in_use", "KV bytes each cache tier holds", tier("bytes_in_use")))
+
+
+def _spec_metrics() -> tuple[WorkerMetric, ...]:
+    """Speculative decoding (engine/speculative): totals and the two ratios since start; none rendered
+    while --speculative is off."""
+    def spec(read: Callable[[Any], Value]) -> Callable[[WorkerStats], Value]:
+        return lambda s: None if s.spec is None else read(s.spec)
+
+    return (_counter("spec_proposed_tokens_total", "draft tokens proposed to a verify",
+                     spec(lambda t: t.proposed_tokens)),
+            _counter("spec_accepted_tokens_total", "draft tokens the target accepted",
+                     spec(lambda t: t.accepted_tokens)),
+            _counter("spec_verify_steps_total", "request steps that verified a draft", spec(lambda t: t.verify_steps)),
+            _counter("spec_emitted_tokens_total", "tokens emitted by verify steps (accepted drafts + the target's own)",
+                     spec(lambda t: t.emitted_tokens)),
+            _counter("spec_switched_off_total", "times a request paused speculating (acceptance below the threshold)",
+                     spec(lambda t: t.switched_off)),
+            _counter("spec_batch_off_steps_total", "steps where the batch was too large to speculate",
+                     spec(lambda t: t.batch_off_steps)),
+            _gauge("spec_acceptance_rate", "accepted / proposed draft tokens since start",
+                   spec(lambda t: t.acceptance_rate)),
+            _gauge("spec_mean_accepted_length", "tokens emitted per verify step since start",
+                   spec(lambda t: t.mean_accepted_length)))
+
+
 def _link(read: Callable[[Any], Value]) -> Callable[[WorkerStats], Value]:
     return lambda s: None if s.link is None else read(s.link)
 
@@ -115,6 +153,8 @@ WORKER_METRICS: tuple[WorkerMetric, ...] = (
     _counter("prefix_hit_tokens_total", "prompt tokens served from the prefix cache", lambda s: s.prefix.hit_tokens),
     _counter("prefix_evicted_tokens_total", "tokens evicted from the prefix cache",
              lambda s: s.prefix.evicted_tokens),
+    *_hicache_metrics(),
+    *_spec_metrics(),
     *(_counter_field(f.name) for f in fields(Counters)),
     _gauge("time", "the worker's clock at its last stats answer (unix seconds)", lambda s: s.time),
     _gauge("transfer", "KV transfer link levels by name", _link(lambda k: k.levels())),

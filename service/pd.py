@@ -11,6 +11,7 @@ from common.metrics import Histogram
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.request import Req
+from engine.speculative.config import spec_compat
 from engine.tp import SINGLE, TPGroup
 from service import messages as m
 from service.config import ServerConfig
@@ -19,6 +20,7 @@ from service.worker import error_out, req_from_msg
 from transfer import CompatInfo, TransferError, TransferManager
 
 KV_LAYOUT = "page_major:[pages,layers,2,page_size,kv_heads,head_dim]"
+MLA_LAYOUT = "page_major:[pages,layers,page_size,kv_lora_rank+rope_dim]"  # latent pages, replicated over TP
 TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -26,9 +28,18 @@ def compat_info(runner: ModelRunner) -> CompatInfo:
     """What this worker's wire page holds: the model's canonical page (all KV heads), and its TP."""
     mc = runner.model_cfg
     return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
-                      dtype=runner.cfg.dtype, page_size=runner.page_size, kv_layout=KV_LAYOUT,
+                      dtype=runner.cfg.dtype, page_size=runner.page_size,
                       num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                      window=mc.max_window, tp=_tp(runner).size)
+                      window=mc.max_window, tp=_tp(runner).size, **spec_compat(getattr(runner.cfg, "spec", None)),
+                      **_layout(mc))
+
+
+def _layout(mc: object) -> dict:
+    """The wire page's layout fields: K/V pages, or MLA latent pages with their geometry."""
+    mla = getattr(mc, "mla", None)
+    if mla is None:
+        return {"kv_layout": KV_LAYOUT}
+    return {"kv_layout": MLA_LAYOUT, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.qk_rope_head_dim}
 
 
 def _tp(runner: ModelRunner) -> TPGroup:
@@ -37,7 +48,10 @@ def _tp(runner: ModelRunner) -> TPGroup:
 
 def gathers_kv(runner: ModelRunner) -> bool:
     """Prefill: rank 0's pool lacks some KV heads (TP > 1), so each chunk's pages are gathered from the
-    ranks into full wire pages (engine.tp_kv.gather) and sent from there."""
+    ranks into full wire pages (engine.tp_kv.gather) and sent from there. Never for MLA: every rank holds
+    the same latent, rank 0 sends its own pages."""
+    if runner.pool.buffer.dim() == 4:  # a latent pool (MLA)
+        return False
     return runner.pool.buffer.shape[4] != runner.model_cfg.num_kv_heads
 
 

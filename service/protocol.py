@@ -12,6 +12,9 @@ can say: the vocabulary, the context length, grammars that compile, tools, the P
 Every problem raises `RequestError` (HTTP status + message); nothing here touches a process or a
 socket, so it is unit-tested directly. Response bodies are built in `service/frontend.py`.
 
+Request options of every endpoint (`priority`, `extra_key` / `cache_salt`, `routing_key`):
+service/request_options.py; /generate's `session_params` (colocated only): service/sessions.py.
+
 PD wire format: the router adds `bootstrap_host`, `bootstrap_port`, `bootstrap_room` to the body it
 posts to both prefill and decode. They are required on prefill/decode roles, ignored on colocated.
 
@@ -43,7 +46,9 @@ from common.checks import is_int
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
 from engine.grammar import GrammarError, GrammarSpec
 from engine.sampling_params import SamplingParams
+from service import req_features, request_options
 from service.messages import AbortReq, GenerateReq
+from service.sessions import attach_session, session_prompt
 from service.tools import ToolError, ToolPlan, parse_tools, render_calls, with_system_prompt
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -73,6 +78,9 @@ class Limits:
     vocab_size: int
     model_name: str
     grammars: Any = None  # engine.grammar.Grammars: a structured-output grammar must compile here
+    hidden_size: int = 0  # the model's (input_embeds rows, hidden-state sizes)
+    loras: Any = None  # service.lora.AdapterTable: the adapters a request may name (None: LoRA unknown)
+    sessions: Any = None  # service.sessions.SessionStore (colocated): /generate's session_params
 
 
 @dataclass
@@ -93,6 +101,8 @@ class ParsedRequest:
     response_id: str = ""  # the id of the stream this request continues ("" = from the rid)
     tools: ToolPlan | None = None  # chat: the tools the reply may call (service.tools)
     echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
+    reasoning: str = ""  # chat: the --reasoning-parser style that splits the reply (service.reasoning)
+    session: Any = None  # /generate's session_params (common.api_requests.SessionParams), or None
 
     @property
     def choices(self) -> int:
@@ -253,7 +263,10 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
                       top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,
                       bootstrap_host=host, bootstrap_port=port, bootstrap_room=room, n=n,
                       prefill_here=limits.role == "decode" and body.get(PREFILL_HERE_KEY) is True)
-    return ParsedRequest(kind=kind, req=req, model=limits.model_name, stop=sp.stop,
+    request_options.apply(req, body, kind)  # priority, cache salt (issue 40)
+    if limits.loras is not None:  # LoRA adapter by `lora_path` (/generate) or `model` (/v1); service/lora.py
+        req.lora = limits.loras.resolve(kind, body, limits.model_name, limits.role)
+    return ParsedRequest(kind=kind, req=req, model=req.lora or limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
                          top_logprobs=top if logprobs else 0, role=limits.role,
                          token_ids=body.get(TOKEN_IDS_KEY) is True)
@@ -275,8 +288,10 @@ def _generate_logprobs(m: GenerateRequest, prompt_len: int) -> tuple[bool, int, 
 def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """Native /generate: `text` xor `input_ids`, `sampling_params`, `stream`, `return_logprob`, `rid`."""
     m = _valid(GenerateRequest, body)
-    ids = (_check_vocab(tok.encode(m.text), limits, "'text' (tokenized)") if m.text is not None
-           else _check_vocab(m.input_ids, limits, "'input_ids'"))
+    embeds = req_features.input_embeds(body, limits)  # [T, H] instead of text or ids (issue 40)
+    ids = (embeds[0] if embeds else _check_vocab(tok.encode(m.text), limits, "'text' (tokenized)")
+           if m.text is not None else _check_vocab(m.input_ids, limits, "'input_ids'"))
+    ids, session = session_prompt(body, ids, limits.sessions, limits.role)  # a session's history first
     sp_raw = body.get("sampling_params") or {}  # its keys and values are checked (GenerateSampling)
     n = (m.sampling_params and m.sampling_params.n) or 1
     sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL and k != "n"}
@@ -286,6 +301,8 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     sp = _sampling(sp_raw, len(ids), limits)
     parsed = _make("generate", body, ids, sp, limits, stream, logprobs, top, start, n)
     _apply_resume(parsed, resume)
+    attach_session(parsed, session)
+    req_features.apply(parsed, body, embeds, limits)  # hidden states, input_embeds, token_ids_logprob
     return parsed
 
 

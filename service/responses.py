@@ -30,6 +30,8 @@ from common.http import TOKEN_IDS_KEY
 from service.logprob_views import Entry, Pieces, chat_content, completion_logprobs, native_lists, prompt_entries
 from service.messages import TokenOut
 from service.protocol import ParsedRequest
+from service.reasoning import ReasoningSplitter, split
+from service.req_features import FeatureLog
 from service.tokenizer import TextStream, Tokenizer
 from service.tools import may_be_call, parse_call
 
@@ -76,6 +78,10 @@ class RequestTracker:
         self.call: dict[str, Any] | None = None  # chat with tools: the reply's tool call, once finished
         self.held = ""  # streamed chat with tools: text held back while it may still be a tool call
         self.holding = parsed.tools is not None
+        self.extras = FeatureLog()  # hidden states, token_ids_logprob (service.req_features)
+        self.reasoning = ReasoningSplitter(parsed.reasoning) if parsed.reasoning else None
+        if self.reasoning is not None and parsed.resumed:  # a migrated stream continues the split
+            self.reasoning.push(self.text.text)
 
     @property
     def rid(self) -> str:
@@ -104,6 +110,7 @@ class RequestTracker:
         if out.input_start >= 0:
             self.prompt_lp = prompt_entries(self.parsed.req.input_ids, out.input_start, out.input_logprobs,
                                             out.input_top_logprobs)
+        self.extras.consume(out)
         delta = self.text.push(out.new_token_ids)
         if out.finished:
             self.finished = True
@@ -115,8 +122,12 @@ class RequestTracker:
             self.cached_tokens = out.cached_tokens
             delta += self.text.finish(out.matched_stop)
             if self.parsed.tools is not None and self.finish_reason == "stop":
-                self.call = parse_call(self.text.text, self.parsed.tools)
+                self.call = parse_call(self.content_text(), self.parsed.tools)
         return delta
+
+    def content_text(self) -> str:
+        """The reply's text without its reasoning (--reasoning-parser), else all of it."""
+        return self.text.text if not self.parsed.reasoning else split(self.text.text, self.parsed.reasoning)[1]
 
     @property
     def failed(self) -> bool:
@@ -171,6 +182,7 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
         top = tr.parsed.top_logprobs > 0
         meta.update(native_lists(tr.entries, "output", top))
         meta.update(native_lists(tr.prompt_lp or [], "input", top))
+    meta.update(tr.extras.meta(tr.parsed, tr.finished))
     # cumulative: a resumed stream's text and ids include what the stream it continues showed
     body = {"text": tr.text.text, "output_ids": tr.parsed.resumed + tr.output_ids, "meta_info": meta}
     if tr.parsed.choices > 1:
@@ -220,6 +232,9 @@ def openai_body(tr: RequestTracker) -> dict[str, Any]:
     lp = tr.parsed.logprobs
     if tr.parsed.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": tr.text.text}
+        if tr.parsed.reasoning:  # --reasoning-parser: content without the thinking (vLLM/SGLang's shape)
+            think, content = split(tr.text.text, tr.parsed.reasoning)
+            message = {"role": "assistant", "content": content, "reasoning_content": think or None}
         if tr.call is not None:
             message = {"role": "assistant", "content": None, "tool_calls": [tr.call]}
         choice: dict[str, Any] = {"index": tr.index, "message": message,
@@ -281,6 +296,15 @@ def _echo_chunk(tr: RequestTracker) -> bytes:
     return sse(body)
 
 
+def _reasoning_chunk(tr: RequestTracker, think: str) -> bytes:
+    body = _head(tr, "chat.completion.chunk")
+    body["choices"] = [{"index": tr.index, "delta": {"reasoning_content": think}, "logprobs": None,
+                        "finish_reason": None}]
+    if tr.parsed.token_ids:
+        body[TOKEN_IDS_KEY], tr.pending_ids = tr.pending_ids, []
+    return sse(body)
+
+
 def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
     """SSE events for one step of a streamed request (maybe none)."""
     kind = tr.parsed.kind
@@ -300,6 +324,10 @@ def stream_chunks(tr: RequestTracker, delta: str, first: bool) -> list[bytes]:
         out.append(sse(head))
     if kind == "completion" and first and tr.parsed.echo is not None:
         out.append(_echo_chunk(tr))
+    if kind == "chat" and tr.reasoning is not None:
+        think, delta = tr.reasoning.push(delta, tr.finished)
+        if think:  # its own delta, before the content's
+            out.append(_reasoning_chunk(tr, think))
     if kind == "chat" and tr.parsed.tools is not None:
         delta = _release_held(tr, delta)
     if not delta and not tr.finished:

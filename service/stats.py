@@ -9,10 +9,11 @@ service/metrics.py; `internal_state` gives /server_info the dict it has always s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from common.metrics import Histogram, snapshot
+from engine.speculative.stats import SpecStats
 from engine.stats import PrefixCacheStats, SchedulerStats
 from transfer.stats import LinkStats
 
@@ -87,6 +88,7 @@ class WorkerStats:
     active_rooms: int | None = None  # PD, level: transfer rooms created and not yet released
     transfer: TransferTotals | None = None  # PD
     link: LinkStats | None = None  # PD: TransferManager.stats()
+    spec: SpecStats | None = None  # speculative decoding totals (None: --speculative off)
 
     @classmethod
     def from_scheduler(cls, s: SchedulerStats) -> WorkerStats:
@@ -96,10 +98,12 @@ class WorkerStats:
                               host_used_pages=s.host_kv_used_pages),
                    prefix=s.prefix,
                    counters=Counters(retractions=s.retractions, reloads=s.reloads, forward_tokens=s.forward_tokens,
-                                     window_freed_pages=s.window_freed_pages))
+                                     window_freed_pages=s.window_freed_pages),
+                   spec=s.spec if s.spec.method else None)
 
 
-STATS_PARTS = (WorkerStats, KVStats, PrefixCacheStats, Counters, TransferTotals, Histo, LinkStats)  # on the wire
+STATS_PARTS = (WorkerStats, KVStats, PrefixCacheStats, Counters, TransferTotals, Histo, LinkStats,
+               SpecStats)  # on the wire
 
 
 def _histo_info(h: Histo) -> dict[str, Any]:
@@ -115,6 +119,12 @@ def _optional_levels(s: WorkerStats) -> dict[str, Any]:
         if v is not None:
             out[key] = v
     return out
+
+
+def _spec_info(t: SpecStats) -> dict[str, Any]:
+    """/server_info: speculative decoding totals and the two ratios (engine.speculative.stats)."""
+    return {**asdict(t), "acceptance_rate": round(t.acceptance_rate, 4),
+            "mean_accepted_length": round(t.mean_accepted_length, 4)}
 
 
 def _transfer_info(s: WorkerStats) -> dict[str, Any]:
@@ -147,6 +157,8 @@ def internal_state(info: dict[str, Any], s: WorkerStats | None) -> dict[str, Any
         "prefix_cached_tokens": s.prefix.cached_tokens,
         "prefix_hit_tokens": s.prefix.hit_tokens,
         "prefix_evicted_tokens": s.prefix.evicted_tokens,
+        **({"hicache": s.prefix.tiers} if s.prefix.tiers else {}),
         **_transfer_info(s),
+        **({"speculative": _spec_info(s.spec)} if s.spec is not None else {}),
         "time": s.time,
     }

@@ -18,9 +18,11 @@ from typing import Protocol
 
 from common import tracing
 from common.logs import setup_logging
+from engine.features import make_features, report
 from engine.kv_manager import KVManager
 from engine.parallel import add_choices
 from engine.request import Bootstrap, FinishReason, LogprobState, Req
+from service import embeddings, lora
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -38,7 +40,11 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
         logprobs=LogprobState(on=msg.return_logprob, top_k=msg.top_logprobs_num, start_len=msg.logprob_start_len),
         pd=Bootstrap(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room),
         trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
+        priority=msg.priority, extra_key=msg.extra_key, session_id=msg.session_id, lora=msg.lora,
     )
+    if msg.return_hidden_states or msg.input_embeds or msg.token_ids_logprob:  # engine.features
+        req.features = make_features(msg.return_hidden_states, msg.input_embeds, len(msg.input_ids),
+                                     msg.token_ids_logprob)
     add_choices(req, msg.n)
     return req
 
@@ -59,6 +65,8 @@ def token_out(r: Req) -> m.TokenOut:
     )
     if r.logprobs.on:
         _logprobs_out(r.logprobs, sent, out)
+    for k, v in report(r.features).items():  # hidden states, token_ids_logprob (engine.features)
+        setattr(out, k, v)
     return out
 
 
@@ -108,10 +116,16 @@ def flush_cache(role: Role, token: int) -> m.FlushCacheOut:
                            else "no prefix cache on this worker", freed_tokens=freed)
 
 
-def handle(role: Role, msg: m.GenerateReq | m.AbortReq) -> list[m.TokenOut]:
-    """Hand one frontend message to the role (StatsReq is answered by the loop)."""
+def handle(role: Role, msg: m.GenerateReq | m.AbortReq | m.CloseSessionReq) -> list[m.TokenOut]:
+    """Hand one frontend message to the role (StatsReq is answered by the loop; a session's close
+    goes to roles that keep sessions, engine.sessions)."""
     if isinstance(msg, m.GenerateReq):
         return role.add(msg)
+    if isinstance(msg, m.CloseSessionReq):
+        close = getattr(role, "close_session", None)
+        if close is not None:
+            close(msg.session_id)
+        return []
     role.abort(msg)
     return []
 
@@ -143,6 +157,10 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
                                               stats=replace(role.stats(), time=time.time())))
                 elif isinstance(msg, m.FlushCacheReq):
                     io.outbox.send(flush_cache(role, msg.token))
+                elif isinstance(msg, m.EmbedReq):  # service/embeddings.py: one forward per input, now
+                    io.outbox.send(embeddings.handle_worker(role, msg, cfg.engine.chunked_prefill_size))
+                elif isinstance(msg, m.LoraReq):  # service/lora.py: load/unload on every TP rank
+                    io.outbox.send(lora.handle_worker(role.runner, msg))  # type: ignore[attr-defined]
                 else:
                     outs.extend(handle(role, msg))
             outs.extend(role.step())

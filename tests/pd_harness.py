@@ -10,6 +10,7 @@ from collections.abc import Callable
 from colocated_service.worker import ColocatedRole
 from decode_service.worker import DecodeRole
 from engine.config import EngineConfig
+from engine.hicache import HiCacheSpec
 from engine.kv_manager import KVManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -20,7 +21,9 @@ from service.pd import make_transfer_manager
 
 
 def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
-    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache)
+    """The role's KV manager, with the host/disk tiers of runner.cfg's --hicache-* fields when cached."""
+    spec = HiCacheSpec.from_config(runner.cfg, f"w{id(runner)}") if prefix_cache else None
+    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, spec)
 
 
 def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut],

@@ -5,8 +5,9 @@ an EOS; with ignore_eos it cycles on) or at max_new_tokens,
 with `PDSERVE_STUB_DELAY_S` seconds between steps (default 0.005). It honours stop strings (on the
 decoded output), stop_token_ids, aborts (by rid, room or all), logprobs (fixed values), and the
 prefill role (one token, then finished), and n > 1 (choice i generates the reversed prompt rotated
-by i). Prompts containing `[[stub:error]]` fail with 500,
-`[[stub:crash]]` kills the worker process.
+by i). POST /v1/embeddings is answered with a fake vector per input (`fake_embedding`: deterministic
+in its ids, `dimensions` or the config's hidden_size long, normalised). Prompts containing
+`[[stub:error]]` fail with 500, `[[stub:crash]]` kills the worker process.
 
 Run a whole service with it: `python -m tests.stub_worker --role prefill --model DIR --port N ...`
 (any flag of `pdserve prefill`).
@@ -15,6 +16,7 @@ Run a whole service with it: `python -m tests.stub_worker --role prefill --model
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -43,6 +45,14 @@ def _context_length(cfg: ServerConfig) -> tuple[int, int]:
     return cfg.engine.context_length or conf.get("max_position_embeddings", 4096), conf["vocab_size"]
 
 
+def fake_embedding(ids: list[int], size: int) -> list[float]:
+    """A unit vector of `size` values that depends only on `ids` (no model runs)."""
+    seed = sum((i + 1) * t for i, t in enumerate(ids)) % 9973
+    v = [math.sin(seed + k) for k in range(size)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]
+
+
 class StubWorker:
     def __init__(self, cfg: ServerConfig) -> None:
         from tokenizers import Tokenizer
@@ -57,7 +67,8 @@ class StubWorker:
         self.info = {"role": cfg.role, "model_path": cfg.engine.model, "context_length": ctx_len,
                      "vocab_size": vocab, "page_size": cfg.engine.page_size,
                      "max_total_tokens": cfg.engine.max_total_tokens,
-                     "bootstrap_port": cfg.pd.bootstrap_port, "stub": True}
+                     "bootstrap_port": cfg.pd.bootstrap_port, "stub": True,
+                     "hidden_size": json.loads((Path(cfg.engine.model) / "config.json").read_text())["hidden_size"]}
 
     def send(self, msg: object) -> None:
         self.io.outbox.send(msg)
@@ -124,6 +135,9 @@ class StubWorker:
             self.abort(msg, outs)
         elif isinstance(msg, m.StatsReq):
             self.send(self.stats(msg.token))
+        elif isinstance(msg, m.EmbedReq):  # service/embeddings.py's frontend parsed and tokenized it
+            size = msg.dimensions or self.info["hidden_size"]
+            self.send(m.EmbedOut(msg.token, [fake_embedding(ids, size) for ids in msg.inputs]))
 
     def run(self) -> None:
         parent = os.getppid()

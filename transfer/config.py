@@ -77,6 +77,14 @@ class CompatInfo:
     window: int = 0  # tokens the widest layer looks back (sliding window); 0 = full attention.
     # The prefill sends, and the decode reserves, only the pages of the prompt's last window.
     tp: int = 1  # this side's tensor parallel size (servable: not compared)
+    # MLA (DeepSeek) latent pages [layers, page_size, kv_lora_rank + qk_rope_head_dim]: one latent per token
+    # and layer, the same on every TP rank (num_kv_heads 1, head_dim unused); 0 = ordinary K/V pages
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    # speculative decoding (engine/speculative): both sides of a pair run the same method and draft
+    # model, or the pair is refused (412 naming the field) instead of decoding with a config mismatch
+    speculative: str = ""  # "", ngram or draft
+    draft_model: str = ""  # the draft model's directory name ("" unless speculative == draft)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -84,10 +92,12 @@ class CompatInfo:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one wire page (all KV heads; K and V of every layer)."""
+        """Bytes of one wire page (all KV heads; K and V of every layer; MLA: the latents of every layer)."""
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} has no known element size ({sorted(_ITEMSIZE)})")
         itemsize = _ITEMSIZE[self.dtype]
+        if self.kv_lora_rank:  # a latent page
+            return self.num_layers * self.page_size * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
     def to_dict(self) -> dict:

@@ -88,6 +88,11 @@ def _valid_segments(segments: list) -> bool:
                and all(isinstance(p, int) for p in s[1]) for s in segments)
 
 
+def _hash(ids: list[int], namespace: str) -> str:
+    """prefix_hash of a cached prefix in its namespace (the one-argument call when there is none)."""
+    return prefix_hash(ids, namespace) if namespace else prefix_hash(ids)
+
+
 def _parse_addr(addr: str) -> str:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -111,8 +116,10 @@ class DecodeSide:
 
     # ---- API -------------------------------------------------------------------------------
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
-                        cached_ids: list[int] | None = None, staged: bool = False) -> KVReceiver:
-        """`cached_ids`: the prompt's leading token ids whose KV this decode holds (whole pages);
+                        cached_ids: list[int] | None = None, staged: bool = False,
+                        namespace: str = "") -> KVReceiver:
+        """`cached_ids`: the prompt's leading token ids whose KV this decode holds (whole pages, cached
+        in `namespace`: Req.cache_namespace, which the hash includes);
         dst_pages are for the pages after them. `staged` (a TP > 1 decode): the pages land in
         buffers of full wire pages (KVReceiver.landed) instead of the pool."""
         if room in self.receivers:
@@ -131,7 +138,7 @@ class DecodeSide:
         cached = list(cached_ids or ())
         peer.send(TransferInfo(room, self.engine_id, self.backend.address, list(dst_pages), recv.slot,
                                self.compat.digest(), self.compat.to_dict(), cached_tokens=len(cached),
-                               cached_hash=prefix_hash(cached) if cached else ""))
+                               cached_hash=_hash(cached, namespace) if cached else ""))
         return recv
 
     def decline(self, room: int, bootstrap_addr: str) -> None:

@@ -91,21 +91,24 @@ class TransferManager:
             raise AttributeError("bootstrap_port exists on the prefill role only")
         return self._side.bootstrap.port
 
-    def create_sender(self, room: int, prompt_ids: list[int] | None = None) -> KVSender:
-        """`prompt_ids` lets the sender check a decode's cached prefix (decode-side reuse)."""
+    def create_sender(self, room: int, prompt_ids: list[int] | None = None, namespace: str = "") -> KVSender:
+        """`prompt_ids` lets the sender check a decode's cached prefix (decode-side reuse), hashed in
+        the request's cache `namespace` (Req.cache_namespace: salted rooms never reuse unsalted pages)."""
         if not isinstance(self._side, PrefillSide):
             raise ValueError("create_sender needs role='prefill'")
-        return self._side.create_sender(room, prompt_ids)
+        return self._side.create_sender(room, prompt_ids, namespace)
 
     def create_receiver(self, room: int, bootstrap_addr: str, dst_pages: list[int],
-                        cached_ids: list[int] | None = None, staged: bool = False) -> KVReceiver:
-        """`cached_ids`: leading prompt ids (whole pages) whose KV this decode already holds;
+                        cached_ids: list[int] | None = None, staged: bool = False,
+                        namespace: str = "") -> KVReceiver:
+        """`cached_ids`: leading prompt ids (whole pages) whose KV this decode already holds, cached
+        under the request's cache `namespace` (its hash names both);
         `dst_pages` are for the prompt's pages after them. `staged` (a TP > 1 decode, whose pool
         holds only rank 0's heads): each message lands in a buffer of full wire pages that the caller
         takes with `receiver.landed()` and scatters to its ranks; the pool is never written."""
         if not isinstance(self._side, DecodeSide):
             raise ValueError("create_receiver needs role='decode'")
-        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids, staged)
+        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids, staged, namespace)
 
     def decline_room(self, room: int, bootstrap_addr: str) -> None:
         """Decode: this worker prefills `room` itself; its prefill ends the room without computing."""

@@ -70,13 +70,15 @@ class PrefillSide:
         self.prefix_refusals = 0  # TransferInfos whose cached prefix did not match the prompt
 
     # ---- API -------------------------------------------------------------------------------
-    def create_sender(self, room: int, prompt_ids: list[int] | None = None) -> KVSender:
+    def create_sender(self, room: int, prompt_ids: list[int] | None = None, namespace: str = "") -> KVSender:
         """`prompt_ids`: the room's prompt, to check a decode's cached prefix against (None: a
-        TransferInfo with cached_tokens is always refused)."""
+        TransferInfo with cached_tokens is always refused), hashed in the request's cache
+        `namespace` (Req.cache_namespace)."""
         if room in self.senders:
             raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a sender already exists")
         sender = KVSender(room, self._notify, self.release, self.pages, self.backend)
         sender.prompt_ids = prompt_ids
+        sender.namespace = namespace
         self.senders[room] = sender
         if room in self.rejected:
             err, _ = self.rejected.pop(room)
@@ -91,7 +93,7 @@ class PrefillSide:
 
     def _accept(self, sender: KVSender, identity: bytes, info: TransferInfo) -> None:
         """Take the decode's TransferInfo, or refuse a cached prefix this prompt does not start with."""
-        why = self._prefix_problem(info, sender.prompt_ids)
+        why = self._prefix_problem(info, sender.prompt_ids, sender.namespace)
         if why is not None:
             log.info("room %d: decode's cached prefix refused (%s): it sends the whole prompt's pages", info.room, why)
             self.prefix_refusals += 1
@@ -100,7 +102,8 @@ class PrefillSide:
         sender.accept(identity, info.ucx_address, list(info.dst_pages), info.metadata_slot,
                       info.cached_tokens // self.compat.page_size)
 
-    def _prefix_problem(self, info: TransferInfo, prompt_ids: list[int] | None) -> str | None:
+    def _prefix_problem(self, info: TransferInfo, prompt_ids: list[int] | None,
+                        namespace: str = "") -> str | None:
         n = info.cached_tokens
         if not n:
             return None
@@ -108,7 +111,7 @@ class PrefillSide:
             return "this prefill cannot check a cached prefix"
         if n < 0 or n % self.compat.page_size or n >= len(prompt_ids):
             return f"cached_tokens {n} is not whole pages before the last of {len(prompt_ids)} prompt tokens"
-        if prefix_hash(prompt_ids[:n]) != info.cached_hash:
+        if (prefix_hash(prompt_ids[:n], namespace) if namespace else prefix_hash(prompt_ids[:n])) != info.cached_hash:
             return f"the decode's {n} cached tokens are not this prompt's (hash mismatch)"
         return None
 

@@ -102,6 +102,7 @@ class KVSender(_Room):
         self._inflight: list[Handle] = []
         self.declined = False  # the decode prefills this prompt itself; SUCCESS with nothing sent
         self.prompt_ids: list[int] | None = None  # to check a decode's cached prefix (PrefillSide)
+        self.namespace = ""  # the prompt's cache namespace (Req.cache_namespace), in that check's hash
         self.reused_pages = 0  # leading prompt pages the decode already holds: never sent
 
     def decline(self) -> None:

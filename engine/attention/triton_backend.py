@@ -109,10 +109,12 @@ class TritonAttention:
         group = hq // k_pages.shape[2]
         grid = (batch, hq, triton.cdiv(meta.max_q_len, cfg.extend_block_m))
         block_d = triton.next_power_of_2(d)
-        # fp32 tiles with a wide head would overflow shared memory at the default tile size
-        block_n = cfg.extend_block_n
-        if q.element_size() == 4 and block_d >= 128:
-            block_n = min(block_n, 32)
+        # fp32 (IEEE dots on the FMA units) spilled registers at the half-precision tile (sm_90, 64 x 64 x
+        # 4 warps: ~6 KiB of stack per thread): 8 warps and fewer keys per block, 0 spills
+        # (tests/unit/triton/test_sm90_compile.py)
+        block_n, warps = cfg.extend_block_n, cfg.num_warps
+        if q.element_size() == 4:
+            block_n, warps = min(block_n, 16 if block_d >= 128 else 32), max(warps, 8)
         kern.extend_kernel[grid](
             q, k_pages, v_pages, out, meta.page_table, meta.seq_lens, meta.q_lens, meta.q_starts,
             meta.scale * kern.LOG2E, window,
@@ -121,7 +123,7 @@ class TritonAttention:
             HEAD_DIM=d, GROUP=group, PAGE_SIZE=meta.page_size,
             BLOCK_M=cfg.extend_block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, DOT_PRECISION=_precision(q), UPCAST=_upcast(q),
-            num_warps=cfg.num_warps, num_stages=2,
+            num_warps=warps, num_stages=2,
         )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,7 @@ class ForwardContext:
     out_page: torch.Tensor  # int64 [T] page of each new token
     out_offset: torch.Tensor  # int64 [T] slot inside that page
     native: NativeKernels | None = None  # fused rotary + KV store (the cpu attention backend's kernels)
+    lora: Any = None  # engine.lora.batch.LoRABatch when a segment runs under an adapter, else None
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +96,8 @@ class Attention(nn.Module):
         """x, residual [T, H] -> residual + attention(x) [T, H] (summed over the group)."""
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
+        if ctx.lora is not None:  # each adapter's rows += x A^T B^T (engine/lora)
+            ctx.lora.apply(self.layer_id, "qkv", x, qkv)
         if self.q_norm is not None:  # in place, per head: q heads then k heads
             heads = qkv.view(t, self.hq + 2 * self.hkv, self.d)
             heads[:, : self.hq] = self.q_norm(heads[:, : self.hq])
@@ -105,6 +109,9 @@ class Attention(nn.Module):
         else:
             q = self._rope_store(qkv, rotary, ctx)
         o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, self.window)  # [T, Hq, D]
+        if ctx.lora is not None:
+            return ctx.lora.row_parallel(self.o_proj, o.reshape(t, self.hq * self.d), residual, self.tp,
+                                         self.layer_id, "o")
         return row_parallel(self.o_proj, o.reshape(t, self.hq * self.d), residual, self.tp)
 
     def _rope_store(self, qkv: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
@@ -159,6 +166,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: RotaryTables, ctx: ForwardContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), rotary, ctx, residual=x)
+        if ctx.lora is not None and isinstance(self.mlp, DenseMLP):
+            return ctx.lora.dense_mlp(self.mlp, self.post_attention_layernorm(x), x, self.self_attn.layer_id)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
@@ -190,9 +199,11 @@ class CausalLM(nn.Module):
         return self.layers[0].self_attn.hkv
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> final hidden states [T, H] (the same on every rank)."""
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final hidden states [T, H] (the same on every rank).
+        input_embeds [T, H]: the input rows instead of the ids' embeddings (engine.features)."""
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         rotary = self.rotary.tables(positions)
         for layer in self.layers:
             x = layer(x, rotary, ctx)

@@ -5,7 +5,8 @@ a shared expert scaled by sigmoid(shared_expert_gate(x)). Shapes: T tokens, H hi
 k = top_k, I = per-expert intermediate on this rank, S = T * k routed slots (slot s = token s // k).
 
 Routing (`route`, as transformers' TopKRouter): softmax over E in fp32 -> top-k -> divided by its sum
-when `norm_topk_prob` (Mixtral always). Experts:
+when `norm_topk_prob` (Mixtral always). DeepSeek (`route_grouped`): softmax or sigmoid scores, V3's
+correction bias, grouped top-k, routed_scaling_factor; its shared experts are ungated. Experts:
 
 - CPU (`experts_cpu`): the S slots are sorted by expert once; each ACTIVE expert runs one gate/up GEMM
   (silu and product fused, cpu_gemm.silu_gate_up) and one down GEMM over its contiguous run of
@@ -55,6 +56,29 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(logits: torch.Tensor, spec: MoESpec,
+                  bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing, as transformers' DeepseekV2/V3 TopkRouter: router logits [T, E] -> (weights fp32
+    [T, k], expert ids int64 [T, k]). Scores: softmax (V2) or sigmoid (V3) in fp32; `bias` (V3's
+    e_score_correction_bias [E]) is added for the choice only. With n_group > 1 only the topk_group best
+    groups are eligible (a group's score: its best expert (softmax) or the sum of its best two (sigmoid)).
+    The chosen scores are renormalised when norm_topk_prob (sigmoid only, as transformers), then scaled by
+    routed_scaling_factor."""
+    scores = torch.softmax(logits.float(), dim=-1) if spec.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if spec.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, spec.n_group, e // spec.n_group)
+        group_scores = grouped.max(-1).values if spec.scoring == "softmax" else grouped.topk(2, -1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(spec.topk_group, -1)[1], 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(e // spec.n_group, 1), float("-inf"))
+    ids = torch.topk(choice, spec.top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if spec.norm_topk_prob and spec.scoring == "sigmoid":
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
@@ -116,18 +140,25 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(len(self.experts), hidden, self.inter), requires_grad=False)
         shared = spec.shared_intermediate_size
         self.shared_expert = DenseMLP(hidden, shared, tp, "shared_expert_intermediate_size") if shared else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared else None  # replicated
+        gated = shared and spec.shared_gate
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if gated else None  # replicated
+        # DeepSeek-V3's e_score_correction_bias [E] (replicated; a parameter so the loader fills it)
+        self.score_bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.score_bias \
+            else None
         self.packed: list | None = None  # per expert ((gate, up), down) oneDNN weights (pack_weights)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x (normed) and residual [T, H] -> residual + routed experts (+ shared expert) [T, H]."""
         logits = linear(self.gate, x)  # [T, E]
-        weights, ids = route(logits, self.spec.top_k, self.spec.norm_topk_prob)  # [T, k]
+        if self.spec.scoring == "softmax" and self.spec.n_group == 1 and self.spec.routed_scaling_factor == 1.0:
+            weights, ids = route(logits, self.spec.top_k, self.spec.norm_topk_prob)  # [T, k]
+        else:
+            weights, ids = route_grouped(logits, self.spec, self.score_bias)
         out = residual.clone() if self.tp.driver else torch.zeros_like(residual)
-        if self.shared_expert is not None:  # sigmoid(x Wg^T) * down(silu(gate(x)) * up(x)), a partial sum
+        if self.shared_expert is not None:  # [sigmoid(x Wg^T) *] down(silu(gate(x)) * up(x)), a partial sum
             se, sg = self.shared_expert, self.shared_expert_gate
             y = linear(se.down_proj, se.act(x))  # [T, H]
-            out.add_(y.mul_(torch.sigmoid(linear(sg, x))))
+            out.add_(y.mul_(torch.sigmoid(linear(sg, x))) if sg is not None else y)
         if x.device.type == "cuda":
             from engine.models.moe_triton import fused_moe
 
@@ -208,11 +239,12 @@ class MoECausalLM(CausalLM):
 
 
 def block_weights(ck: Checkpoint, hf: str, ours: str, spec: MoESpec, tp: TPGroup,
-                  names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+                  names: tuple[str, str, str], shared: str = "shared_expert.") -> dict[str, torch.Tensor]:
     """One MoE block at HF prefix `hf` (e.g. 'model.layers.0.mlp.') -> SparseMoE's parameters at `ours`:
     router `gate.weight` whole; expert e's f"{hf}experts.{e}.{gate|up|down}.weight" with the family's
     `names` (Mixtral: w1, w3, w2) stacked into w13 (gate rows then up rows) and w2, this rank's share
-    of the intermediate; the shared expert like a dense MLP, its sigmoid gate whole."""
+    of the intermediate; the shared expert (HF prefix `shared`, DeepSeek 'shared_experts.') like a dense
+    MLP, its sigmoid gate (when spec.shared_gate) and V3's `gate.e_score_correction_bias` whole."""
     first, count = tp.split(spec.intermediate_size, "moe_intermediate_size")
     gate, up, down = names
     w13, w2 = [], []
@@ -224,9 +256,12 @@ def block_weights(ck: Checkpoint, hf: str, ours: str, spec: MoESpec, tp: TPGroup
     out = {ours + "gate.weight": ck.take(hf + "gate.weight"), ours + "w13": torch.stack(w13),
            ours + "w2": torch.stack(w2)}
     if spec.shared_intermediate_size:
-        out |= dense_mlp_weights(ck, hf + "shared_expert.", ours + "shared_expert.", spec.shared_intermediate_size,
+        out |= dense_mlp_weights(ck, hf + shared, ours + "shared_expert.", spec.shared_intermediate_size,
                                  tp, "shared_expert_intermediate_size")
-        out[ours + "shared_expert_gate.weight"] = ck.take(hf + "shared_expert_gate.weight")
+        if spec.shared_gate:
+            out[ours + "shared_expert_gate.weight"] = ck.take(hf + "shared_expert_gate.weight")
+    if spec.score_bias:
+        out[ours + "score_bias"] = ck.take(hf + "gate.e_score_correction_bias")
     return out
 
 

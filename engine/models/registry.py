@@ -23,6 +23,8 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
 }
 
 

@@ -94,9 +94,27 @@ def fuzz(url: str, examples: int, seed: int = SEED, out: Path | None = None, exc
     return r
 
 
+def _embeddings_answer(url: str) -> None:
+    """POST /v1/embeddings through the router reaches the prefill stub (tests/stub_worker.py answers
+    with fake vectors) and the services' own document shows the router's request model."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": ["a b", [5, 6]], "dimensions": 8}, timeout=30)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1] and all(len(d["embedding"]) == 8 for d in data)
+    assert data[0]["embedding"] != data[1]["embedding"] and r.json()["usage"]["prompt_tokens"] >= 3
+    bad = httpx.post(f"{url}/v1/embeddings", json={"input": "a", "dimensions": 10**6}, timeout=30)
+    assert bad.status_code == 400 and "'dimensions'" in bad.json()["error"]["message"]
+    prefill = next(w["url"] for w in httpx.get(f"{url}/admin/workers").json()["workers"] if w["role"] == "prefill")
+    op = httpx.get(f"{prefill}/openapi.json").json()["paths"]["/v1/embeddings"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/EmbeddingRequest")
+
+
 def test_router_document_survives_the_fuzzer() -> None:
     pytest.importorskip("schemathesis")
     with router_stack() as url:
+        _embeddings_answer(url)
         r = fuzz(url, FUZZ_EXAMPLES, exclude=SEMANTIC, extra=CI_PHASES)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 

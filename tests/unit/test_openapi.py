@@ -11,6 +11,7 @@ from router.app import create_app
 from router.config import RouterConfig
 
 ENDPOINTS = {"/v1/chat/completions": "ChatCompletion", "/v1/completions": "Completion", "/generate": "Generate"}
+REF = "#/components/schemas/"
 ERRORS = {"400", "401", "404", "413", "429", "499", "500", "502", "503", "504"}
 
 
@@ -62,11 +63,60 @@ def test_the_document_shows_what_the_parser_enforces() -> None:
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     assert all(p.get("minLength", p.get("minItems")) == 1 for p in prompt)
     assert schemas["GenerateRequest"]["properties"]["text"]["anyOf"][0]["minLength"] == 1
-    assert len(schemas["GenerateRequest"]["oneOf"]) == 2  # exactly one of text and input_ids
+    _prompt_alternatives_match_the_parser(schemas["GenerateRequest"]["oneOf"])
     assert schemas["GenerateSampling"]["additionalProperties"] is False  # unknown keys are refused
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == list(ar.ROLES)
     n = schemas["ChatCompletionRequest"]["properties"]["n"]["anyOf"][0]
     assert (n["minimum"], n["maximum"]) == (1, MAX_N)
+
+
+def _prompt_alternatives_match_the_parser(one_of: list[dict]) -> None:
+    """/generate's `oneOf` (exactly one of text, input_ids, input_embeds) says yes to a body exactly when
+    the model the services parse with does, for every combination of the three (given or null)."""
+    from itertools import product
+
+    import jsonschema
+
+    from common.api_requests import PROMPT_FIELDS, GenerateRequest, RequestInvalid, validate
+
+    assert sorted(alt["required"][0] for alt in one_of) == sorted(PROMPT_FIELDS)
+    values = {"text": "hi", "input_ids": [1, 2], "input_embeds": [[0.5, -1.0], [2, 0.25]]}
+    checker = jsonschema.Draft202012Validator({"oneOf": one_of})
+    for given in product(("absent", "null", "value"), repeat=len(PROMPT_FIELDS)):
+        body = {f: None if g == "null" else values[f] for f, g in zip(PROMPT_FIELDS, given) if g != "absent"}
+        try:
+            accepted = bool(validate(GenerateRequest, body))
+        except RequestInvalid:
+            accepted = False
+        assert checker.is_valid(body) == accepted == (given.count("value") == 1), body
+
+
+def test_router_documents_embeddings_with_the_services_model() -> None:
+    """POST /v1/embeddings (relayed to a worker, router/embeddings.py) shows the body the services
+    validate (common/api_embeddings.EmbeddingRequest) and OpenAI's answer, and the document says yes
+    to a body exactly when that model does (the services' document: tests/integration/test_openapi_fuzz.py)."""
+    import jsonschema
+
+    from common.api_embeddings import EmbeddingRequest
+    from common.api_requests import RequestInvalid, validate
+
+    doc = TestClient(create_app(RouterConfig())).get("/openapi.json").json()
+    op = doc["paths"]["/v1/embeddings"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"] == REF + "EmbeddingRequest"
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"] == REF + "EmbeddingResponse"
+    assert {"400", "401", "500", "503", "504"} <= set(op["responses"]) and "422" not in op["responses"]
+    checker = jsonschema.Draft202012Validator(doc["components"]["schemas"]["EmbeddingRequest"])
+    good = [{"input": "a"}, {"input": [1, 2]}, {"input": [[1], [2, 3]]}, {"input": ["a", [1]], "user": "u"},
+            {"input": "a", "dimensions": 3, "encoding_format": "base64", "model": "m"}, {"input": ["a"] * 2048}]
+    bad = [{}, {"input": ""}, {"input": []}, {"input": [-1]}, {"input": [[]]}, {"input": [True]}, {"input": [1.5]},
+           {"input": ["a", ""]}, {"input": ["a"] * 2049}, {"input": "a", "dimensions": 0},
+           {"input": "a", "encoding_format": "hex"}, {"input": "a", "dimensions": "3"}, {"input": 5}]
+    for body in good + bad:
+        try:
+            accepted = isinstance(validate(EmbeddingRequest, body), EmbeddingRequest)
+        except RequestInvalid:
+            accepted = False
+        assert checker.is_valid(body) == accepted == (body in good), body
 
 
 def test_every_status_and_content_type_of_the_router_is_documented() -> None:
