@@ -280,6 +280,8 @@ class GenerateRequest(_Open):
                                                           "requests with the same one")
     routing_key: CacheKey | None = Field(None, description="the router's cache_aware policy sends requests with the "
                                                             "same key to the same worker")
+    lora_path: str | None = Field(None, description="the name of a loaded LoRA adapter (--lora-paths, "
+                                                    "/load_lora_adapter); 400 when unknown")
     # `session_params` (SessionParams) is checked by the colocated service that keeps sessions
     # (service/sessions.py); it is not in this document, which the PD router serves too (refused there)
     # issue 40 (service/req_features.py checks them: hidden size, vocabulary, limits)
