@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402  (engine before torch: engine/__init__.py)
 from engine.engine import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402

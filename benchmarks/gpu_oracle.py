@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.memory import pages_for  # noqa: E402
-from engine.model_runner import LOGITS_ALL, LOGITS_LAST, ModelRunner, Segment  # noqa: E402
+from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, ModelRunner, Segment  # noqa: E402
+from engine.kvcache.memory import pages_for  # noqa: E402
 
 CHUNK = 64
 

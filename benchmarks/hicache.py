@@ -106,11 +106,11 @@ def engine_run(a: argparse.Namespace, flags: list[str]) -> dict:
     import time
 
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
     from engine.models.embedded import embedded_model_dir
     from engine.request import Req
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.sampling.params import SamplingParams
+    from engine.scheduling.scheduler import Scheduler
 
     kw = dict(zip(flags[::2], flags[1::2]))
     cfg = EngineConfig(model=str(embedded_model_dir()), max_total_tokens=a.pool_tokens, threads=a.threads,

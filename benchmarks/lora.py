@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import LLM  # noqa: E402
-from engine.lora.adapter import write_random_adapter  # noqa: E402
+from engine.extras.lora.adapter import write_random_adapter  # noqa: E402
 from engine.models.embedded import resolve_model_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402

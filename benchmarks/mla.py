@@ -17,7 +17,7 @@ Speed (CPU, one run): decode tok/s at batch 16 with --context tokens cached per 
 (queries projected into the latent space, attention over the latents) against the naive one (every cached
 latent expanded by kv_b into per-head K/V each step), both batched; and one --context-token prefill in each
 prefill form; and the local broadcast a TP 2 decode runs for one received 4k prompt's latent pages
-(engine/tp_kv.py broadcast_latent; gloo, loopback). decode tok/s = B * steps / time of `steps` batched
+(engine/distributed/tp_kv.py broadcast_latent; gloo, loopback). decode tok/s = B * steps / time of `steps` batched
 decode forwards (prompts prefilled once, untimed).
 """
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_throughput import best, prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
@@ -107,8 +107,8 @@ def set_absorb(llm: LLM, on: bool) -> None:
 def decode_tok_s(llm: LLM, a: argparse.Namespace) -> float:
     """Decode forwards of batch a.batch over a.context cached tokens each (the prompts prefilled once, not
     timed): a.batch * steps / time, the model forward alone (no sampling), best of a.repeats."""
-    from engine.memory import pages_for
-    from engine.model_runner import LOGITS_LAST, Segment
+    from engine.forward.model_runner import LOGITS_LAST, Segment
+    from engine.kvcache.memory import pages_for
 
     runner = llm.runner
     steps = a.decode_tokens
@@ -140,7 +140,7 @@ def prefill_s(llm: LLM, form: str, a: argparse.Namespace) -> float:
 
 
 def _broadcast_rank(rank: int, port: int, nbytes: int, repeats: int, out) -> None:  # noqa: ANN001
-    """One of 2 gloo ranks: broadcast nbytes of latent pages from rank 0, as engine.tp_kv.broadcast_latent does."""
+    """One of 2 gloo ranks: broadcast nbytes of latent pages from rank 0, as tp_kv.broadcast_latent does."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)

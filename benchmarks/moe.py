@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_throughput import best, fastest, prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colocated_service.worker import ColocatedRole  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.parallel import choice_seed  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.forward.model_runner import ModelRunner  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
+from engine.scheduling.parallel import choice_seed  # noqa: E402
 from service import messages as m  # noqa: E402
 from tests.pd_harness import PDPair, collect, kv_manager  # noqa: E402
 

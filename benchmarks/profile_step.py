@@ -122,7 +122,7 @@ def ours(a: argparse.Namespace, batches: list[int]) -> dict[str, dict[str, float
     sys.path.insert(0, str(ROOT))
     from engine.config import EngineConfig  # engine before torch: huge pages (engine/__init__.py)
     from engine.engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     # isort: split
     import torch

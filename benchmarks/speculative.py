@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402  (engine before torch: engine/__init__.py)
 from engine.engine import LLM  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
+from engine.extras.speculative.config import SpecConfig  # noqa: E402
+from engine.forward.model_runner import ModelRunner  # noqa: E402
 from engine.models.embedded import resolve_model_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.speculative.config import SpecConfig  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
@@ -157,8 +157,8 @@ def measure(llm: LLM, ids: list[list[int]], tokens: int) -> tuple[float, dict]:
 
 def prefill_ms(runner: ModelRunner, n: int = 512) -> float:
     """Best of 3: one n-token prompt computed in one extend over fresh pages (ms)."""
-    from engine.memory import pages_for
-    from engine.model_runner import LOGITS_LAST, Segment
+    from engine.forward.model_runner import LOGITS_LAST, Segment
+    from engine.kvcache.memory import pages_for
 
     ids = [(7 * i + 3) % 1000 + 100 for i in range(n)]
     best = float("inf")
@@ -174,7 +174,7 @@ def prefill_ms(runner: ModelRunner, n: int = 512) -> float:
 def draft_kv_choice(runner: ModelRunner, draft_dir: Path, base: EngineConfig, n: int = 512) -> dict:
     """The PD draft-KV figures: the draft's and the target's prefill of an n-token prompt, and the
     draft KV bytes a prefill would send instead (docs/architecture.md, "Speculative decoding")."""
-    from engine.speculative.draft import draft_engine_config
+    from engine.extras.speculative.draft import draft_engine_config
 
     spec = SpecConfig(speculative="draft", draft_model=str(draft_dir))
     draft = ModelRunner(draft_engine_config(dataclasses.replace(base, spec=spec, max_total_tokens=4096)))

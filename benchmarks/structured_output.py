@@ -30,7 +30,7 @@ from engine_throughput import best  # noqa: E402  (its warm-up run also compiles
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 200, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],

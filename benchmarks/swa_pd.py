@@ -29,7 +29,7 @@ MISTRAL_7B_PAGE_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # layers x (K,V) x tokens x k
 
 def run(model: Path, args: argparse.Namespace) -> dict:
     from engine.config import EngineConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
     from tests.pd_harness import PDPair
 
     cfg = EngineConfig(model=str(model), max_total_tokens=args.prompt_tokens + args.gen_tokens + 256,

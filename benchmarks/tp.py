@@ -7,12 +7,12 @@
      rank (two processes, gloo all-reduce). On a 2-core box TP=2 shows the cost of the collectives
      and the rank broadcast, not a speed-up: the same 2 cores run one process with 2 threads as well.
    Also, under TP=2: `kv_gather` of the 512-token prompt's pages (the prefill's staging before a
-   send) and `kv_scatter` of them (the decode's, after a receive), engine/tp_kv.py.
+   send) and `kv_scatter` of them (the decode's, after a receive), engine/distributed/tp_kv.py.
 2. KV bytes per rank of one prompt for every (prefill TP, decode TP) pair in {1, 2, 4}^2, for this
    model and priced at Llama-3.1-70B's geometry: the wire carries full pages (all KV heads) from the
    prefill's rank 0 to the decode's rank 0; a TP > 1 prefill first gathers each other rank's heads
    into rank 0, a TP > 1 decode then scatters each other rank its heads (replicated ones to every
-   holder). Computed from the layout the code moves (engine/tp_kv.py head_slices); "direct" is what a
+   holder). Computed from the layout the code moves (engine/distributed/tp_kv.py head_slices); "direct" is what a
    decode rank would receive if prefill ranks sent each decode rank its heads directly instead.
 
     python benchmarks/tp.py --out docs/bench/tp.json
@@ -56,9 +56,9 @@ def _median_ms(fn, repeats: int) -> float:  # noqa: ANN001 - a zero-argument cal
 def step_times(model: Path, tp: int, threads: int, args: argparse.Namespace) -> dict:
     """Median prefill and decode step times (ms) of ModelRunner.forward, and under TP the KV staging."""
     from common.procs import free_port
-    from engine import tp_kv, tp_ranks
     from engine.config import EngineConfig
-    from engine.model_runner import LOGITS_LAST, ModelRunner, Segment
+    from engine.distributed import tp_kv, tp_ranks
+    from engine.forward.model_runner import LOGITS_LAST, ModelRunner, Segment
 
     ps = 16
     cfg = EngineConfig(model=str(model), device="cpu", threads=threads, page_size=ps, tp=tp,
@@ -91,7 +91,7 @@ def step_times(model: Path, tp: int, threads: int, args: argparse.Namespace) -> 
 
 def bytes_per_rank(pages: int, page_bytes: int, heads: int, tp_p: int, tp_d: int) -> dict:
     """One prompt of `pages` wire pages (all `heads` KV heads) from a TP tp_p prefill to a TP tp_d decode."""
-    from engine.tp_kv import head_slices
+    from engine.distributed.tp_kv import head_slices
 
     per_head = page_bytes // heads * pages
     p_slices, d_slices = head_slices(heads, tp_p), head_slices(heads, tp_d)

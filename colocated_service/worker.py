@@ -12,11 +12,11 @@ report what the scheduler's outbox holds (`Scheduler.drain`).
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.hicache import spec_for_server
-from engine.kv_manager import KVManager
-from engine.model_runner import ModelRunner
-from engine.scheduler import Scheduler
-from engine.sessions import SessionPins
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.hicache import spec_for_server
+from engine.kvcache.kv_manager import KVManager
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sessions import SessionPins
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -31,7 +31,7 @@ class ColocatedRole:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager) -> None:
         self.runner, self.kv = runner, kv
         self.sched = Scheduler(runner, cfg, kv, on_event=scheduler_hook())
-        self.sessions = SessionPins(kv, cfg.session_timeout_s)  # pinned KV of sessions (engine.sessions)
+        self.sessions = SessionPins(kv, cfg.session_timeout_s)  # pinned KV of sessions (engine.scheduling.sessions)
 
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
         req = req_from_msg(msg, "colocated")

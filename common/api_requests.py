@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_N = 64  # choices per request (engine.parallel.MAX_N: a test checks they agree)
-MAX_NEW_TOKENS = 1 << 20  # engine.sampling_params.MAX_NEW_TOKENS_LIMIT
-MAX_GRAMMAR_CHARS = 1 << 16  # engine.sampling_params.MAX_GRAMMAR_CHARS
+MAX_N = 64  # choices per request (engine.scheduling.parallel.MAX_N: a test checks they agree)
+MAX_NEW_TOKENS = 1 << 20  # engine.sampling.params.MAX_NEW_TOKENS_LIMIT
+MAX_GRAMMAR_CHARS = 1 << 16  # engine.sampling.params.MAX_GRAMMAR_CHARS
 MAX_RID_LEN = 256
 MAX_STOP = 16
 ROLES = ("system", "user", "assistant", "developer", "tool")

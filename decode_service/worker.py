@@ -10,7 +10,7 @@ Queues of one request:
   transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout);
              with --tp > 1 each message lands in a buffer of full pages that is scattered to every
              rank's pool, each rank its KV heads, as it lands (before the request joins running;
-             engine/tp_kv.py).
+             engine/distributed/tp_kv.py).
              Decode-side reuse: the TransferInfo names the cached prefix (tokens + hash) and only
              the pages after it are sent; a prefill whose prompt hashes otherwise refuses it, and
              the request goes back to the head of prealloc to ask again for the whole prompt
@@ -25,10 +25,10 @@ Queues of one request:
              metadata, and the choices fork the received KV: Scheduler.join_running); one token per
              decode step; when pages run out
              the newest running requests are retracted to the host pool and later reloaded
-             (engine.scheduler.Scheduler does the running part, as in colocated mode)
+             (engine.scheduling.scheduler.Scheduler does the running part, as in colocated mode)
 
 Finish, abort or failure frees every page and host copy the request holds (with the cache, its
-prompt+output full pages go to the tree and its lock is dropped): engine.lifecycle.finish_request,
+prompt+output full pages go to the tree and its lock is dropped): engine.scheduling.lifecycle.finish_request,
 into the Outbox this role shares with its scheduler, whose queues it only queries (load, full, ...).
 """
 
@@ -39,18 +39,18 @@ import logging
 import time
 from collections import deque
 
-from engine import priority
 from engine.config import EngineConfig
-from engine.features import from_meta
-from engine.hicache import spec_for_server
-from engine.kv_manager import KVManager, reservation
-from engine.lifecycle import Outbox, finish_request
-from engine.memory import pages_for
-from engine.model_runner import ModelRunner
-from engine.parallel import choices
+from engine.distributed.tp_kv import scatter
+from engine.extras.features import from_meta
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.hicache import spec_for_server
+from engine.kvcache.kv_manager import KVManager, reservation
+from engine.kvcache.memory import pages_for
 from engine.request import FinishReason, Req
-from engine.scheduler import Scheduler
-from engine.tp_kv import scatter
+from engine.scheduling import priority
+from engine.scheduling.lifecycle import Outbox, finish_request
+from engine.scheduling.parallel import choices
+from engine.scheduling.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import PDConfig, ServerConfig
@@ -307,7 +307,7 @@ class DecodeRole:
                 top = tops[i] if i < len(tops) else None
                 if c.logprobs.top_k and top:
                     c.logprobs.output_top.append((list(top[0]), list(top[1])))
-        from_meta(r.features, meta)  # hidden states, token_ids_logprob (engine.features)
+        from_meta(r.features, meta)  # hidden states, token_ids_logprob (engine.extras.features)
         self.sched.join_running(r)  # n > 1: the choices fork r's KV first
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.checks import need
-from engine.speculative.config import SpecConfig
+from engine.extras.speculative.config import SpecConfig
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 
@@ -210,37 +210,37 @@ class EngineConfig:
     new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
     seed: int = 0
     threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
-    schedule_policy: str = "fcfs"  # order of waiting prompts: fcfs | sjf | lpm (engine.scheduler.order_waiting)
+    schedule_policy: str = "fcfs"  # order of waiting prompts: fcfs | sjf | lpm (scheduling.scheduler.order_waiting)
     schedule_aging_s: float = 5.0  # sjf/lpm: a prompt waiting this long goes ahead of the policy's order
-    # request priority (engine.priority): waiting order by priority first, preemption of lower ones
+    # request priority (engine.scheduling.priority): waiting order by priority first, preemption of lower ones
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False  # False: a higher `priority` value is more urgent
     priority_preemption_threshold: int = 1  # a running request is preempted only by one this much more urgent
     priority_max_preemptions: int = 2  # times one request may be preempted (low priority never starves)
     priority_aging_s: float = 30.0  # a request waiting this long ranks as the most urgent
-    # sessions (engine.sessions): a finished session request's KV stays pinned in the prefix cache
+    # sessions (engine.scheduling.sessions): a finished session request's KV stays pinned in the prefix cache
     session_timeout_s: float = 300.0  # a session idle this long loses its pin
-    # reuse cached prompt prefixes (engine.radix_cache). Off for the engine library (offline LLM,
+    # reuse cached prompt prefixes (engine.kvcache.radix_cache). Off for the engine library (offline LLM,
     # tests: pools drain to 0 after each request); the colocated and prefill services turn it on
     # unless --disable-prefix-cache.
     prefix_cache: bool = False
-    # host/disk tiers under the prefix cache (engine/hicache): 0 host tokens = off
+    # host/disk tiers under the prefix cache (engine/kvcache/hicache): 0 host tokens = off
     hicache_host_tokens: int = 0
     hicache_write_policy: str = "write_back"  # write_back (copy at eviction) | write_through (at insert)
     hicache_dir: str = ""  # disk tier directory ("": none)
     hicache_disk_bytes: int = 1 << 30  # disk tier bound
-    # tensor parallelism (engine/tp_ranks.py): one process per rank, rank 0 drives the others
+    # tensor parallelism (engine/distributed/tp_ranks.py): one process per rank, rank 0 drives the others
     tp: int = 1  # ranks in the TP group
     tp_devices: str = ""  # comma list of this node's devices by local rank ("": cuda:<base + local rank>)
     dist_init_addr: str = ""  # HOST:PORT where rank 0 meets the others ("": a free loopback port, one node)
     nnodes: int = 1  # nodes the TP group spans (tp / nnodes ranks on each)
     node_rank: int = 0  # this node's index; node 0 runs rank 0 (frontend, scheduler)
-    # LoRA (engine/lora): adapters loaded at start-up ("NAME=PATH"), slots, rank cap, adapters per forward
+    # LoRA (engine/extras/lora): adapters loaded at start-up ("NAME=PATH"), slots, rank cap, adapters per forward
     lora_paths: tuple[str, ...] = ()
     max_loaded_loras: int = 0  # adapter slots; 0 with no lora_paths: LoRA off (max(this, len(lora_paths)) slots)
     max_lora_rank: int = 64
     max_loras_per_batch: int = 8
-    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (engine/speculative)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (engine/extras/speculative)
 
     def __post_init__(self) -> None:
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.memory import pages_for
-from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.forward.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.kvcache.memory import pages_for
 from engine.request import LogprobState, Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LLM:
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False, loras: list[str] | None = None) -> list[Completion]:
-        """`loras`: each prompt's LoRA adapter name ("" = the base model; engine/lora), loaded on the runner."""
+        """`loras`: each prompt's LoRA adapter name ("" = the base model; engine/extras/lora), loaded on the runner."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         names = loras or [""] * len(prompts)
         for n in set(names) - {""}:

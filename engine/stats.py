@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.speculative.stats import SpecStats
+from engine.extras.speculative.stats import SpecStats
 
 
 @dataclass
@@ -19,7 +19,7 @@ class PrefixCacheStats:
     cached_tokens: int = 0  # level: tokens of pages the cache holds
     hit_tokens: int = 0  # total: prompt tokens served from the cache
     evicted_tokens: int = 0  # total: tokens of pages evicted from the cache
-    # host/disk tiers (engine/hicache): {stat: {tier: value}} for hit_tokens, loaded_bytes, load_seconds,
+    # host/disk tiers (engine/kvcache/hicache): {stat: {tier: value}} for hit_tokens, loaded_bytes, load_seconds,
     # evictions (totals) and bytes_in_use (level); empty without tiers
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -39,4 +39,4 @@ class SchedulerStats:
     forward_tokens: int = 0  # total: tokens run through the model
     window_freed_pages: int = 0  # total: pages freed because they slid out of every window
     prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding totals (engine/speculative)
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding totals (engine/extras/speculative)

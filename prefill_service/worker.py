@@ -10,7 +10,7 @@ Queues of one request (a room):
              taking its longest cached prefix's pages (locked until the room ends), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
              the next chunk computes; with --tp > 1 they are first gathered from the ranks into
-             full pages, all KV heads, on this thread: engine/tp_kv.py); the last chunk sends the
+             full pages, all KV heads, on this thread: engine/distributed/tp_kv.py); the last chunk sends the
              remaining pages plus metadata
              (first token, its logprob and top alternatives, room; with n > 1 every choice's first
              token, sampled from the same last row: `fork_meta`). Sliding-window models send only
@@ -25,7 +25,7 @@ A room the decode chose to prefill itself (conditional disaggregation: its Trans
 local_prefill) ends in the bootstrap queue, finished with no tokens and no error, never computed.
 
 A room that fails anywhere (timeout, abort, peer lost, incompatible KV) frees its pages at once and
-reports the transfer error's code and message. Every room ends in `_end` (engine.lifecycle's
+reports the transfer error's code and message. Every room ends in `_end` (engine.scheduling.lifecycle's
 finish_request into the role's Outbox). One step: poll rooms -> schedule (plan chunks) -> run (one
 forward) -> postprocess (send each chunk's pages) -> poll inflight -> report (drain the outbox).
 """
@@ -38,17 +38,17 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine import priority
-from engine.batch import ExtendItem
 from engine.config import EngineConfig
-from engine.features import to_meta
-from engine.hicache import spec_for_server
-from engine.kv_manager import KVManager
-from engine.lifecycle import Outbox, finish_request
-from engine.model_runner import ModelRunner
+from engine.distributed.tp_kv import gather
+from engine.extras.features import to_meta
+from engine.forward.batch import ExtendItem
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.hicache import spec_for_server
+from engine.kvcache.kv_manager import KVManager
 from engine.request import FinishReason, Req
-from engine.scheduler import ExtendPlanner, make_executor, order_waiting
-from engine.tp_kv import gather
+from engine.scheduling import priority
+from engine.scheduling.lifecycle import Outbox, finish_request
+from engine.scheduling.scheduler import ExtendPlanner, make_executor, order_waiting
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -134,7 +134,7 @@ class PrefillRole:
         """This step's prompt chunks, in --schedule-policy order, their pages allocated."""
         order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
                               self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
-        if self.cfg.enable_priority_scheduling:  # the most urgent prompts first (engine.priority)
+        if self.cfg.enable_priority_scheduling:  # the most urgent prompts first (engine.scheduling.priority)
             order = priority.order(order, self.cfg, time.monotonic())
         items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
@@ -183,7 +183,7 @@ class PrefillRole:
                     meta["first_top_logprobs"] = list(r.logprobs.output_top[0])
                 if r.choice.forks:  # n > 1: every other choice's first token, sampled from the same row
                     meta.update(fork_meta(r))
-                meta.update(to_meta(r.features))  # hidden states, token_ids_logprob (engine.features)
+                meta.update(to_meta(r.features))  # hidden states, token_ids_logprob (engine.extras.features)
                 self._send(room, r.kv.pages[room.sent_pages :], True, meta)
                 room.sent_pages = len(r.kv.pages)
                 room.t_last_sent = time.monotonic()
@@ -264,7 +264,7 @@ class PrefillRole:
 
 
 def fork_meta(r: Req) -> dict:
-    """The first tokens (and logprobs) of choices 1..n-1, for the decode's forks (engine.parallel)."""
+    """The first tokens (and logprobs) of choices 1..n-1, for the decode's forks (engine.scheduling.parallel)."""
     forks = r.choice.forks
     meta: dict = {"fork_tokens": [f.token_ids[f.num_prompt_tokens] for f in forks]}
     if r.logprobs.on:

@@ -228,7 +228,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def _add_hicache_args(p: argparse.ArgumentParser) -> None:
-    """Host and disk tiers under the prefix cache (engine/hicache; docs/architecture.md, "Host tier")."""
+    """Host and disk tiers under the prefix cache (engine/kvcache/hicache; docs/architecture.md, "Host tier")."""
     d = EngineConfig()
     g = p.add_argument_group("hierarchical prefix cache",
                              "evicted prefix-cache pages go to host memory (and on to local disk) instead of "
@@ -248,7 +248,7 @@ def _add_hicache_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tp_args(p: argparse.ArgumentParser) -> None:
-    """Tensor parallelism flags (engine/tp_ranks.py; SGLang's names for the multi-node ones)."""
+    """Tensor parallelism flags (engine/distributed/tp_ranks.py; SGLang's names for the multi-node ones)."""
     g = p.add_argument_group(
         "tensor parallelism",
         "one process per rank; rank 0 is this service's worker (scheduler, sampling, transfer control), the "

@@ -1,5 +1,5 @@
 """`POST /v1/embeddings` (OpenAI's shape) on every service: the final hidden states of each input
-(after the final norm, as engine.features), pooled (`--embedding-pooling`: the last token's, or the
+(after the final norm, as engine.extras.features), pooled (`--embedding-pooling`: the last token's, or the
 mean over the input's tokens), truncated to `dimensions` when asked, then L2-normalised.
 
 1. frontend (`route`): the body is checked (`parse`, 400 naming the field) and its strings
@@ -86,8 +86,8 @@ def pool(hidden: torch.Tensor, pooling: str, dimensions: int) -> list[float]:
 
 def embed_one(runner: Any, kv: Any, ids: list[int], chunk: int) -> torch.Tensor:
     """Final hidden states fp32 [len(ids), H] of one input, over pages freed before returning."""
-    from engine.memory import pages_for
-    from engine.model_runner import LOGITS_NONE, Segment
+    from engine.forward.model_runner import LOGITS_NONE, Segment
+    from engine.kvcache.memory import pages_for
 
     pages = kv.allocate(pages_for(len(ids), kv.page_size))
     try:
@@ -103,7 +103,7 @@ def embed_one(runner: Any, kv: Any, ids: list[int], chunk: int) -> torch.Tensor:
 
 def handle_worker(role: Any, msg: EmbedReq, chunk: int) -> EmbedOut:
     """The worker's answer to an EmbedReq (an error answer when the KV pool cannot hold an input now)."""
-    from engine.memory import pages_for
+    from engine.kvcache.memory import pages_for
 
     kv, data = role.kv, []
     for ids in msg.inputs:

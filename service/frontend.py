@@ -35,7 +35,7 @@ from common import api_schema, tracing
 from common.api_requests import AbortRequest
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
-from engine.grammar import Grammars
+from engine.sampling.grammar import Grammars
 from service import embeddings
 from service.config import ServerConfig
 from service.lora import AdapterTable, ModelNotFound

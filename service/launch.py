@@ -10,7 +10,7 @@
       5. SIGTERM/SIGINT: drain (health 503, new requests 503, in-flight ones finish within the
          grace period), stop uvicorn, stop the worker, exit 0
 
-Tensor parallelism (--tp N, engine/tp_ranks.py): the worker is rank 0; this process also starts this
+Tensor parallelism (--tp N, engine/distributed/tp_ranks.py): the worker is rank 0; this process also starts this
 node's ranks 1..N-1 (their own `spawn` processes, rendezvous at --dist-init-addr, default a free
 loopback port). A rank process that exits takes the service down: pending requests get 503, the others
 are stopped and the service exits 1, so its supervisor (`pdserve up`, Kubernetes) starts the group
@@ -87,7 +87,7 @@ def _tp_ready(config: ServerConfig, model_dir: Path) -> ServerConfig:
     """The config with a rendezvous address when --tp > 1 needs one; ValueError naming the config.json
     field the group cannot shard (before any process starts)."""
     from engine.config import ModelConfig
-    from engine.tp_ranks import check_model
+    from engine.distributed.tp_ranks import check_model
 
     eng = config.engine
     if eng.tp == 1:
@@ -101,15 +101,15 @@ def _tp_ready(config: ServerConfig, model_dir: Path) -> ServerConfig:
 
 
 def _run_rank(config: ServerConfig, rank: int) -> None:
-    """Entry of a rank > 0 process of a service: its logging, then engine.tp_ranks.run_rank."""
-    from engine.tp_ranks import run_rank
+    """Entry of a rank > 0 process of a service: its logging, then engine.distributed.tp_ranks.run_rank."""
+    from engine.distributed.tp_ranks import run_rank
 
     setup_logging(config.log_level, config.log_format, f"{config.role}-rank{rank}")
     run_rank(config.engine, rank)
 
 
 def _spawn_ranks(config: ServerConfig) -> list[mp.process.BaseProcess]:
-    from engine.tp_ranks import spawn_ranks
+    from engine.distributed.tp_ranks import spawn_ranks
 
     procs = spawn_ranks(config.engine, _run_rank, (config,))
     for p in procs:
@@ -197,7 +197,7 @@ async def _serve_async(config: ServerConfig, procs: list[mp.process.BaseProcess]
             log.error("the worker died before it was ready; exiting")
             exit_code = 1
             server.should_exit = True
-        elif config.engine.tp > 1 and not state.draining:  # a TP group that lost a rank cannot serve again
+        elif config.engine.distributed.tp > 1 and not state.draining:  # a TP group that lost a rank cannot serve again
             log.error("the tensor-parallel group lost a process; stopping the others and exiting")
             for p in procs:
                 if p.is_alive():

@@ -1,5 +1,5 @@
 """LoRA on the service side: flags, the frontend's adapter table, request resolution, the load/unload
-endpoints and the worker's handler (engine/lora holds the adapters; docs/architecture.md, "LoRA").
+endpoints and the worker's handler (engine/extras/lora holds the adapters; docs/architecture.md, "LoRA").
 
 A request picks an adapter by name: `lora_path` on /generate (SGLang's field: a loaded adapter's
 name), `model` on /v1 (vLLM's rule: an adapter's name, or the served model's for the base). An unknown
@@ -118,11 +118,11 @@ class AdapterTable:
 
 
 def handle_worker(runner: Any, msg: m.LoraReq) -> m.LoraOut:
-    """The worker's side of a load/unload (engine/lora/runner.py does it on every TP rank)."""
+    """The worker's side of a load/unload (engine/extras/lora/runner.py does it on every TP rank)."""
     import time
 
-    from engine.lora import runner as lora_runner
-    from engine.lora.registry import LoRAError
+    from engine.extras.lora import runner as lora_runner
+    from engine.extras.lora.registry import LoRAError
 
     t0 = time.perf_counter()
     try:

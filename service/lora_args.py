@@ -1,4 +1,4 @@
-"""The LoRA flags of every service and of `pdserve up` (service/lora.py, engine/lora)."""
+"""The LoRA flags of every service and of `pdserve up` (service/lora.py, engine/extras/lora)."""
 
 from __future__ import annotations
 

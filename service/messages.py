@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.codec import Codec
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from service.stats import STATS_PARTS, WorkerStats
 
 VERSION = 1
@@ -47,14 +47,14 @@ class GenerateReq:
     resumed_tokens: int = 0
     # decode: the router found this request's prefill busy; prefill it here if there is room
     prefill_here: bool = False
-    # parallel sampling: n choices over one prompt computed once (engine.parallel); 1..MAX_N
+    # parallel sampling: n choices over one prompt computed once (engine.scheduling.parallel); 1..MAX_N
     n: int = 1
-    # scheduling and cache (issue 40): priority (engine.priority), cache salt (Req.extra_key), the
-    # session whose KV this request's end pins (engine.sessions; "" none)
+    # scheduling and cache (issue 40): priority (engine.scheduling.priority), cache salt (Req.extra_key), the
+    # session whose KV this request's end pins (engine.scheduling.sessions; "" none)
     priority: int = 0
     extra_key: str = ""
     session_id: str = ""
-    # engine.features (issue 40): last-layer hidden states, the prompt as float32 input embeddings
+    # engine.extras.features (issue 40): last-layer hidden states, the prompt as float32 input embeddings
     # [len(input_ids), H] (its ids then placeholders), logprobs of these ids at every step
     return_hidden_states: bool = False
     input_embeds: bytes = b""
@@ -163,7 +163,7 @@ class TokenOut:
     completion_tokens: int = 0
     cached_tokens: int = 0
     index: int = 0  # the choice (n > 1) these tokens belong to
-    # engine.features.report: the prompt's hidden states [T][H] (once), one [H] per later decode step;
+    # engine.extras.features.report: the prompt's hidden states [T][H] (once), one [H] per later decode step;
     # token_ids_logprob values per new output token and per reported prompt position (once)
     hidden_prompt: list[list[float]] = field(default_factory=list)
     hidden_output: list[list[float]] = field(default_factory=list)

@@ -93,7 +93,7 @@ def _counter_field(name: str) -> WorkerMetric:
 
 
 def _hicache_metrics() -> tuple[WorkerMetric, ...]:
-    """Per-tier metrics of the prefix cache's host/disk tiers (engine/hicache; label name = device,
+    """Per-tier metrics of the prefix cache's host/disk tiers (engine/kvcache/hicache; label name = device,
     host or disk); none rendered while the tiers are off."""
     def tier(stat: str) -> Callable[[WorkerStats], Value]:
         return lambda s: s.prefix.tiers.get(stat) or None
@@ -108,7 +108,7 @@ def _hicache_metrics() -> tuple[WorkerMetric, ...]:
 
 
 def _spec_metrics() -> tuple[WorkerMetric, ...]:
-    """Speculative decoding (engine/speculative): totals and the two ratios since start; none rendered
+    """Speculative decoding (engine/extras/speculative): totals and the two ratios since start; none rendered
     while --speculative is off."""
     def spec(read: Callable[[Any], Value]) -> Callable[[WorkerStats], Value]:
         return lambda s: None if s.spec is None else read(s.spec)

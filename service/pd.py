@@ -8,11 +8,11 @@ Services never import each other; both import this.
 from __future__ import annotations
 
 from common.metrics import Histogram
-from engine.kv_manager import KVManager
-from engine.model_runner import ModelRunner
+from engine.distributed.tp import SINGLE, TPGroup
+from engine.extras.speculative.config import spec_compat
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.kv_manager import KVManager
 from engine.request import Req
-from engine.speculative.config import spec_compat
-from engine.tp import SINGLE, TPGroup
 from service import messages as m
 from service.config import ServerConfig
 from service.stats import Histo, TransferTotals
@@ -48,7 +48,7 @@ def _tp(runner: ModelRunner) -> TPGroup:
 
 def gathers_kv(runner: ModelRunner) -> bool:
     """Prefill: rank 0's pool lacks some KV heads (TP > 1), so each chunk's pages are gathered from the
-    ranks into full wire pages (engine.tp_kv.gather) and sent from there. Never for MLA: every rank holds
+    ranks into full wire pages (engine.distributed.tp_kv.gather) and sent from there. Never for MLA: every rank holds
     the same latent, rank 0 sends its own pages."""
     if runner.pool.buffer.dim() == 4:  # a latent pool (MLA)
         return False
@@ -57,7 +57,7 @@ def gathers_kv(runner: ModelRunner) -> bool:
 
 def scatters_kv(runner: ModelRunner) -> bool:
     """Decode: other ranks hold KV heads too (TP > 1), so a room's pages land in buffers of full pages
-    (a staged receiver) and are scattered to every rank (engine.tp_kv.scatter) as they land, before
+    (a staged receiver) and are scattered to every rank (engine.distributed.tp_kv.scatter) as they land, before
     the request joins the batch."""
     return _tp(runner).size > 1
 

@@ -44,8 +44,8 @@ from common.api_requests import (
 )
 from common.checks import is_int
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
-from engine.grammar import GrammarError, GrammarSpec
-from engine.sampling_params import SamplingParams
+from engine.sampling.grammar import GrammarError, GrammarSpec
+from engine.sampling.params import SamplingParams
 from service import req_features, request_options
 from service.messages import AbortReq, GenerateReq
 from service.sessions import attach_session, session_prompt
@@ -77,7 +77,7 @@ class Limits:
     context_length: int
     vocab_size: int
     model_name: str
-    grammars: Any = None  # engine.grammar.Grammars: a structured-output grammar must compile here
+    grammars: Any = None  # engine.sampling.grammar.Grammars: a structured-output grammar must compile here
     hidden_size: int = 0  # the model's (input_embeds rows, hidden-state sizes)
     loras: Any = None  # service.lora.AdapterTable: the adapters a request may name (None: LoRA unknown)
     sessions: Any = None  # service.sessions.SessionStore (colocated): /generate's session_params
@@ -257,7 +257,7 @@ def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingP
 def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, limits: Limits,
           stream: bool, logprobs: bool, top: int = 0, start: int = -1, n: int = 1) -> ParsedRequest:
     """`top`: alternatives per token, `start`: first prompt position with a logprob (-1: none),
-    `n`: choices (the prompt is computed once, engine.parallel)."""
+    `n`: choices (the prompt is computed once, engine.scheduling.parallel)."""
     host, port, room = parse_bootstrap(body, limits.role)
     req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream, return_logprob=logprobs,
                       top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,

@@ -1,4 +1,4 @@
-"""/generate's model extras (issue 40; SGLang's field names, engine/features.py computes them):
+"""/generate's model extras (issue 40; SGLang's field names, engine/extras/features.py computes them):
 
   return_hidden_states  true: `meta_info.hidden_states` = [the prompt's [T][H], then one [H] per
                         output token after the first] (SGLang's shape), the last layer after the
@@ -22,7 +22,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from common.checks import is_int
-from engine.features import PLACEHOLDER_ID
+from engine.extras.features import PLACEHOLDER_ID
 from service.messages import TokenOut
 
 if TYPE_CHECKING:

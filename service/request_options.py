@@ -2,7 +2,7 @@
 common/api_requests.py already validated (types and ranges, 400 naming the field):
 
   priority      int: the waiting order and preemption with --enable-priority-scheduling
-                (engine.priority); ignored without it
+                (engine.scheduling.priority); ignored without it
   extra_key     cache salt (vLLM: `cache_salt`, accepted on every endpoint; both given and different:
                 the salt is the pair): requests share cached
                 prefix pages only with requests of the same salt, on every role (Req.cache_namespace;

@@ -11,7 +11,7 @@ last request; none for its first): its prompt is that request's tokens, cut at `
 tokens and gets exactly what resending the whole history would give. `replace`: the session then
 forgets its other requests. `capacity_of_str_len` bounds a session request's prompt, in tokens (a
 longer one is refused with a 400). The worker keeps the KV of the session's last request pinned in
-its prefix cache (engine.sessions), so only the new tokens are computed. A session idle for
+its prefix cache (engine.scheduling.sessions), so only the new tokens are computed. A session idle for
 `--session-timeout` seconds is forgotten (and its pin dropped by the worker on its own clock).
 
 A prefill or decode service refuses sessions (400): a PD session would need its history on both

@@ -1,4 +1,4 @@
-"""The speculative-decoding flags of every service (engine/speculative; docs/architecture.md,
+"""The speculative-decoding flags of every service (engine/extras/speculative; docs/architecture.md,
 "Speculative decoding"). A prefill takes them too: they are part of the PD compatibility record, so a
 prefill and a decode that disagree are refused with a 412 naming the field."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from common.configs import build
-from engine.speculative.config import SpecConfig
+from engine.extras.speculative.config import SpecConfig
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from common.metrics import Histogram, snapshot
-from engine.speculative.stats import SpecStats
+from engine.extras.speculative.stats import SpecStats
 from engine.stats import PrefixCacheStats, SchedulerStats
 from transfer.stats import LinkStats
 
@@ -122,7 +122,7 @@ def _optional_levels(s: WorkerStats) -> dict[str, Any]:
 
 
 def _spec_info(t: SpecStats) -> dict[str, Any]:
-    """/server_info: speculative decoding totals and the two ratios (engine.speculative.stats)."""
+    """/server_info: speculative decoding totals and the two ratios (engine.extras.speculative.stats)."""
     return {**asdict(t), "acceptance_rate": round(t.acceptance_rate, 4),
             "mean_accepted_length": round(t.mean_accepted_length, 4)}
 

@@ -20,7 +20,7 @@ from common import tracing
 
 if TYPE_CHECKING:
     from engine.request import Req
-    from engine.scheduler import Event
+    from engine.scheduling.scheduler import Event
 
 
 class ReqTrace:
@@ -72,7 +72,7 @@ class ReqTrace:
 
 
 def scheduler_event(name: str, r: Req) -> None:
-    """engine.scheduler.Scheduler's on_event: queue -> running, retracted to host and back."""
+    """engine.scheduling.scheduler.Scheduler's on_event: queue -> running, retracted to host and back."""
     t = r.trace
     if t is None:
         return

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from common import tracing
 from common.logs import setup_logging
-from engine.features import make_features, report
-from engine.kv_manager import KVManager
-from engine.parallel import add_choices
+from engine.extras.features import make_features, report
+from engine.kvcache.kv_manager import KVManager
 from engine.request import Bootstrap, FinishReason, LogprobState, Req
+from engine.scheduling.parallel import add_choices
 from service import embeddings, lora
 from service import messages as m
 from service.channels import WorkerChannels
@@ -34,7 +34,7 @@ log = logging.getLogger("pdserve.worker")
 
 def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     """The engine's request for an already-validated GenerateReq (traced when it carries a traceparent
-    and tracing is on in this process); with n > 1 it carries choices 1..n-1 (engine.parallel)."""
+    and tracing is on in this process); with n > 1 it carries choices 1..n-1 (engine.scheduling.parallel)."""
     req = Req(
         rid=msg.rid, token_ids=msg.input_ids, sampling=msg.sampling, stream=msg.stream,
         logprobs=LogprobState(on=msg.return_logprob, top_k=msg.top_logprobs_num, start_len=msg.logprob_start_len),
@@ -42,7 +42,7 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
         trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
         priority=msg.priority, extra_key=msg.extra_key, session_id=msg.session_id, lora=msg.lora,
     )
-    if msg.return_hidden_states or msg.input_embeds or msg.token_ids_logprob:  # engine.features
+    if msg.return_hidden_states or msg.input_embeds or msg.token_ids_logprob:  # engine.extras.features
         req.features = make_features(msg.return_hidden_states, msg.input_embeds, len(msg.input_ids),
                                      msg.token_ids_logprob)
     add_choices(req, msg.n)
@@ -65,7 +65,7 @@ def token_out(r: Req) -> m.TokenOut:
     )
     if r.logprobs.on:
         _logprobs_out(r.logprobs, sent, out)
-    for k, v in report(r.features).items():  # hidden states, token_ids_logprob (engine.features)
+    for k, v in report(r.features).items():  # hidden states, token_ids_logprob (engine.extras.features)
         setattr(out, k, v)
     return out
 
@@ -118,7 +118,7 @@ def flush_cache(role: Role, token: int) -> m.FlushCacheOut:
 
 def handle(role: Role, msg: m.GenerateReq | m.AbortReq | m.CloseSessionReq) -> list[m.TokenOut]:
     """Hand one frontend message to the role (StatsReq is answered by the loop; a session's close
-    goes to roles that keep sessions, engine.sessions)."""
+    goes to roles that keep sessions, engine.scheduling.sessions)."""
     if isinstance(msg, m.GenerateReq):
         return role.add(msg)
     if isinstance(msg, m.CloseSessionReq):

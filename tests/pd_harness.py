@@ -10,10 +10,10 @@ from collections.abc import Callable
 from colocated_service.worker import ColocatedRole
 from decode_service.worker import DecodeRole
 from engine.config import EngineConfig
-from engine.hicache import HiCacheSpec
-from engine.kv_manager import KVManager
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.hicache import HiCacheSpec
+from engine.kvcache.kv_manager import KVManager
+from engine.sampling.params import SamplingParams
 from prefill_service.worker import PrefillRole
 from service import messages as m
 from service.config import PDConfig, ServerConfig

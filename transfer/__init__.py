@@ -51,7 +51,7 @@ device-to-device with no host staging (the sender waits on a CUDA event recorded
 Unequal TP: the wire page always holds all KV heads (CompatInfo; its `tp` is servable, not hashed).
 A TP > 1 prefill passes each chunk's gathered full pages, `s.send(pages, is_last, meta, data=uint8
 [n, wire page_bytes])`; a TP > 1 decode opens `create_receiver(..., staged=True)` and scatters each
-landed message to its ranks, `for pages, buf in r.landed(): ...` (engine/tp_kv.py).
+landed message to its ranks, `for pages, buf in r.landed(): ...` (engine/distributed/tp_kv.py).
 
 Backends: "ucx" (ucxx low-level API, explicit progress, worker-address endpoints, error handling
 off: shared memory on one host, TCP across hosts; transfer/ucx_backend.py lists the UCX_* settings)

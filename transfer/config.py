@@ -81,7 +81,7 @@ class CompatInfo:
     # and layer, the same on every TP rank (num_kv_heads 1, head_dim unused); 0 = ordinary K/V pages
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
-    # speculative decoding (engine/speculative): both sides of a pair run the same method and draft
+    # speculative decoding (engine/extras/speculative): both sides of a pair run the same method and draft
     # model, or the pair is refused (412 naming the field) instead of decoding with a config mismatch
     speculative: str = ""  # "", ngram or draft
     draft_model: str = ""  # the draft model's directory name ("" unless speculative == draft)

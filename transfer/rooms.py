@@ -8,7 +8,7 @@ an Abort, on_release(room) drops the room's bookkeeping.
 pages: uint8 [num_pages, page_bytes] view of the KV pool (layout.page_view). A TP > 1 side stages:
 its sender is handed each chunk's full wire pages (`send(..., data=)`); its receiver receives every
 message into a buffer of full wire pages and hands them over (`landed()`) for the decode to scatter
-to its ranks (engine/tp_kv.py), so staging holds only the messages not yet stored.
+to its ranks (engine/distributed/tp_kv.py), so staging holds only the messages not yet stored.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA, DeepSeek-V2/V3) over the latent KV pool, in plain torch.
 
-Pool layout (engine/memory.py LatentKVPool): latent_pool[pages, layers, page_size, kv_lora_rank + rope_dim];
+Pool layout (engine/kvcache/memory.py LatentKVPool): latent_pool[pages, layers, page_size, kv_lora_rank + rope_dim];
 each cached token of a layer is one vector: the compressed latent c_kv (kv_lora_rank, after kv_a_layernorm)
 followed by the rotated shared rope key k_pe (rope_dim). There is one "head": every query head reads it.
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import ModelConfig
-from engine.tp import TPGroup
+from engine.distributed.tp import TPGroup
 
 
 class Checkpoint:

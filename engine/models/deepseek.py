@@ -26,11 +26,11 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import MLASpec, ModelConfig, MoESpec
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import Checkpoint, cols, dense_mlp_weights, rows, shell_weights
 from engine.models.deepseek_mla import MLAAttention
 from engine.models.moe import MoECausalLM, block_weights
 from engine.models.rope import _yarn_mscale, rope_type
-from engine.tp import SINGLE, TPGroup
 
 log = logging.getLogger(__name__)
 

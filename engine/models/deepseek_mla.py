@@ -1,4 +1,4 @@
-"""DeepSeek's multi-head latent attention (MLA) layer over the latent KV pool (engine/memory.py, latent_dim).
+"""DeepSeek's multi-head latent attention (MLA) layer over the latent KV pool (engine/kvcache/memory.py, latent_dim).
 
 Per token (shapes for this rank's Hq heads; N = qk_nope_head_dim, R_ = qk_rope_head_dim, R = kv_lora_rank,
 V = v_head_dim, H = hidden):
@@ -31,8 +31,8 @@ from torch import nn
 
 from engine.attention.mla import mla_decode_torch
 from engine.config import ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.layers import ForwardContext, RMSNorm, RotaryTables, linear, row_parallel
-from engine.tp import SINGLE, TPGroup
 
 PREFILL_FORM = "expanded"  # expanded | absorbed (benchmarks/mla.py measures both)
 EXTEND_BLOCK = 64  # queries per SDPA call of an extend: each call sees only the keys its queries can

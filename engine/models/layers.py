@@ -1,4 +1,4 @@
-"""The layers every family shares, tensor-parallel by construction (engine/tp.py's TPGroup).
+"""The layers every family shares, tensor-parallel by construction (engine/distributed/tp.py's TPGroup).
 
 Shapes: T = tokens of the whole batch (requests concatenated), Hq/Hkv = this rank's query/KV heads,
 D = head dim, H = hidden size. The forward writes each layer's new K/V into the pool first, then
@@ -27,11 +27,11 @@ from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from engine.memory import KVPool
+from engine.distributed.tp import SINGLE, TPGroup
+from engine.kvcache.memory import KVPool
 from engine.models import cpu_gemm
 from engine.models.rope import Rotary, RotaryTables
 from engine.native import NativeKernels
-from engine.tp import SINGLE, TPGroup
 
 __all__ = ["CausalLM", "DenseMLP", "Attention", "DecoderLayer", "ForwardContext", "RMSNorm", "Rotary",
            "RotaryTables", "linear", "linear_add", "row_parallel"]
@@ -45,7 +45,7 @@ class ForwardContext:
     out_page: torch.Tensor  # int64 [T] page of each new token
     out_offset: torch.Tensor  # int64 [T] slot inside that page
     native: NativeKernels | None = None  # fused rotary + KV store (the cpu attention backend's kernels)
-    lora: Any = None  # engine.lora.batch.LoRABatch when a segment runs under an adapter, else None
+    lora: Any = None  # engine.extras.lora.batch.LoRABatch when a segment runs under an adapter, else None
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ class Attention(nn.Module):
         """x, residual [T, H] -> residual + attention(x) [T, H] (summed over the group)."""
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq+2Hkv)*D]
-        if ctx.lora is not None:  # each adapter's rows += x A^T B^T (engine/lora)
+        if ctx.lora is not None:  # each adapter's rows += x A^T B^T (engine/extras/lora)
             ctx.lora.apply(self.layer_id, "qkv", x, qkv)
         if self.q_norm is not None:  # in place, per head: q heads then k heads
             heads = qkv.view(t, self.hq + 2 * self.hkv, self.d)
@@ -202,7 +202,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final hidden states [T, H] (the same on every rank).
-        input_embeds [T, H]: the input rows instead of the ids' embeddings (engine.features)."""
+        input_embeds [T, H]: the input rows instead of the ids' embeddings (engine.extras.features)."""
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         rotary = self.rotary.tables(positions)
         for layer in self.layers:

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import dense_weights
 from engine.models.layers import CausalLM, ForwardContext, RotaryTables, dense_mlp
-from engine.tp import SINGLE, TPGroup
 
 __all__ = ["ForwardContext", "LlamaForCausalLM", "Model", "RotaryTables", "config", "weights"]
 

@@ -15,10 +15,10 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.cpu_gemm import pack_model
 from engine.models.registry import family
 from engine.models.rope import Rotary
-from engine.tp import SINGLE, TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig, MoESpec
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models import cpu_gemm
 from engine.models.checkpoint import Checkpoint, attention_weights, cols, dense_mlp_weights, rows, shell_weights
 from engine.models.layers import CausalLM, DenseMLP, linear
-from engine.tp import SINGLE, TPGroup
 
 
 def placement(num_experts: int, tp: TPGroup) -> tuple[int, ...]:

@@ -10,9 +10,9 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import dense_weights
 from engine.models.layers import CausalLM, dense_mlp
-from engine.tp import SINGLE, TPGroup
 
 
 def config(raw: dict) -> ModelConfig:

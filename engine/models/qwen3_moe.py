@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import torch
 
 from engine.config import ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.moe import MoECausalLM, moe_spec, moe_weights
-from engine.tp import SINGLE, TPGroup
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 

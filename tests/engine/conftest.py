@@ -56,7 +56,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="session")
 def runner():
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     return ModelRunner(EngineConfig(max_total_tokens=16384, page_size=16, chunked_prefill_size=64))
 

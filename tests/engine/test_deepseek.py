@@ -22,9 +22,9 @@ import torch
 from engine.attention.mla import mla_decode_torch
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
-from engine.model_runner import ModelRunner
+from engine.forward.model_runner import ModelRunner
 from engine.models.deepseek_mla import MLAAttention
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pd_harness import PDPair, colocated_tokens
 
 VOCAB = 256

@@ -2,7 +2,7 @@
 1 thread each) against transformers and TP=1. q/q_b and kv_b sharded by head, o_proj row-parallel, MoE
 experts sharded along their intermediate; the latent replicated: every rank's pool holds the whole latent
 [P, L, ps, kv_lora_rank + rope_dim]. The decode side of a TP > 1 PD pair receives one copy of each latent page
-and broadcasts it to the other ranks (engine/tp_kv.py broadcast_latent): checked here by filling the TP=2
+and broadcasts it to the other ranks (engine/distributed/tp_kv.py broadcast_latent): checked here by filling the TP=2
 pool only through that path and decoding on.
 """
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from common.procs import free_port
-from engine import tp_kv, tp_ranks
 from engine.config import EngineConfig
-from engine.memory import pages_for
-from engine.model_runner import LOGITS_ALL, LOGITS_LAST, Segment
+from engine.distributed import tp_kv, tp_ranks
+from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, Segment
+from engine.kvcache.memory import pages_for
 from tests.engine.test_deepseek import GREEDY, _prompt, save_deepseek
 from tests.engine.test_tp import _serve
 from transfer.layout import page_view
@@ -27,7 +27,7 @@ ENGINE = dict(max_total_tokens=1024, host_kv_tokens=256, page_size=8, chunked_pr
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):  # noqa: ANN001, ANN201
     """(transformers model, TP=1 runner, TP=2 rank-0 runner) of one random DeepSeek-V3."""
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("deepseek_tp")

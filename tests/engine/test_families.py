@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.distributed.tp import TPGroup
 from engine.engine import LLM
-from engine.sampling_params import SamplingParams
-from engine.tp import TPGroup
+from engine.sampling.params import SamplingParams
 from tests.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.hicache import HiCacheSpec, HiRadixCache
-from engine.kv_manager import KVManager
-from engine.memory import HostKVPool, KVPool
+from engine.kvcache.hicache import HiCacheSpec, HiRadixCache
+from engine.kvcache.kv_manager import KVManager
+from engine.kvcache.memory import HostKVPool, KVPool
 from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 PS = 4
 
@@ -170,7 +170,7 @@ def test_disk_tier_roundtrip_and_corrupt_block_is_a_miss(tmp_path) -> None:  # n
 
 
 def test_disk_dirs_of_dead_workers_are_swept(tmp_path) -> None:  # noqa: ANN001
-    from engine.hicache.disk import DiskTier
+    from engine.kvcache.hicache.disk import DiskTier
 
     live = DiskTier(str(tmp_path / "live"), 1 << 20, "x")
     live.put(b"k" * 16, b"payload")
@@ -235,8 +235,8 @@ def _ecfg(model: str, host_tokens: int, **kw: object) -> EngineConfig:
 def _conversations(cfg: EngineConfig, n: int = 6, turns: int = 4, every_step=None) -> tuple[list, list, object]:  # noqa: ANN001
     """n multi-turn conversations, one turn of each at a time (round robin), so a conversation's
     history is evicted by the others before it comes back. Returns (outputs, cached tokens, sched)."""
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.forward.model_runner import ModelRunner
+    from engine.scheduling.scheduler import Scheduler
 
     sched = Scheduler(ModelRunner(cfg), cfg)
     history = [[200 + c] + [(7 * c + i) % 190 + 1 for i in range(10)] for c in range(n)]

@@ -1,4 +1,4 @@
-"""Issue 40 (engine.features) against transformers on a tiny random Llama, colocated and in PD
+"""Issue 40 (engine.extras.features) against transformers on a tiny random Llama, colocated and in PD
 (in-process pair): `return_hidden_states` equals transformers' `output_hidden_states[-1]` (the last
 layer after the final norm) at every prompt position and every decode step; `input_embeds` (the
 model's own embeddings of the ids) gives the ids' tokens and hidden states, random embeddings equal
@@ -11,8 +11,8 @@ import torch
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.forward.model_runner import ModelRunner
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import PDPair, collect, kv_manager
 from tests.tiny_model import make_tiny_model

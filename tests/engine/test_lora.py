@@ -15,10 +15,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLM
-from engine.lora.registry import LoRAError, LoRARegistry, parse_lora_paths
-from engine.memory import pages_for
-from engine.model_runner import LOGITS_ALL, Segment
-from engine.sampling_params import SamplingParams
+from engine.extras.lora.registry import LoRAError, LoRARegistry, parse_lora_paths
+from engine.forward.model_runner import LOGITS_ALL, Segment
+from engine.kvcache.memory import pages_for
+from engine.sampling.params import SamplingParams
 from tests.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -166,8 +166,8 @@ def test_refused_adapter_fields(lora_setup, tmp_path):
 
 def test_tp_slices_sum_to_the_whole_update(lora_setup):
     """Two ranks' A/B shares (column-parallel rows of B, row-parallel columns of A) give the whole update."""
-    from engine.lora.adapter import load_adapter
-    from engine.tp import TPGroup
+    from engine.distributed.tp import TPGroup
+    from engine.extras.lora.adapter import load_adapter
 
     _, _, paths, llm = lora_setup
     mc = llm.runner.model_cfg
@@ -193,11 +193,11 @@ def test_tp2_with_adapters_matches_tp1(tmp_path):
     """TP 2 (rank 1 a spawned process over gloo): adapters loaded at start-up and at run time (a rank
     op on both ranks) give the TP 1 logits, each rank holding its A/B shares."""
     from common.procs import free_port
-    from engine import tp_ranks
     from engine.config import ModelConfig
-    from engine.lora import runner as lora_runner
-    from engine.lora.adapter import write_random_adapter
-    from engine.model_runner import ModelRunner
+    from engine.distributed import tp_ranks
+    from engine.extras.lora import runner as lora_runner
+    from engine.extras.lora.adapter import write_random_adapter
+    from engine.forward.model_runner import ModelRunner
     from tests.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m")

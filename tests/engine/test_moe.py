@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import MoESpec
+from engine.distributed.tp import TPGroup
 from engine.models import moe
-from engine.tp import TPGroup
 
 ON_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 if not ON_CUDA:  # Triton decides interpreter vs compiler when the kernel module is imported

@@ -21,7 +21,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.moe import SparseMoE
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.pd_harness import PDPair, colocated_tokens
 
 VOCAB = 256

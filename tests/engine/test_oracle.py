@@ -7,7 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +53,8 @@ def test_continuous_batch_matches_one_at_a_time(llm, prompts, hf_greedy):
 
 def test_batched_logits_stay_within_tolerance(runner, prompts):
     """A mixed batch (several prompts in one forward) gives each prompt the logits it gets alone."""
-    from engine.memory import pages_for
-    from engine.model_runner import LOGITS_ALL, Segment
+    from engine.forward.model_runner import LOGITS_ALL, Segment
+    from engine.kvcache.memory import pages_for
 
     alloc = runner.pool.allocator
     sel = prompts[2:6]

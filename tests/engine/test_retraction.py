@@ -7,10 +7,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLM
-from engine.kv_manager import KVManager
-from engine.memory import HostKVPool, KVPool
+from engine.kvcache.kv_manager import KVManager
+from engine.kvcache.memory import HostKVPool, KVPool
 from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_small_pool_retracts_and_outputs_unchanged(runner, prompts):
     big = LLM(EngineConfig(max_total_tokens=16384, chunked_prefill_size=64), runner=runner)
     ref = big.generate(prompts, params)
     # a second runner with a pool of 960 tokens: all 8 prompts (872 tokens) + 384 outputs do not fit
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     small_cfg = EngineConfig(max_total_tokens=960, host_kv_tokens=4096, chunked_prefill_size=64,
                              new_token_ratio=0.0)

@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.embedded import embedded_model_dir
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.hf_oracle import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative) on tiny random-weight models, colocated and in-process PD.
+"""Speculative decoding (engine/extras/speculative) on tiny random-weight models, colocated and in-process PD.
 
 Two tiny models: `random` (a random Llama: its text rarely repeats, so drafts are mostly rejected)
 and `copier` (the same architecture with a bigram LM head that follows a 40-token cycle, the
@@ -16,16 +16,16 @@ from safetensors.torch import load_file, save_file
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.kv_manager import KVManager
-from engine.memory import HostKVPool, KVPool
-from engine.model_runner import ModelRunner
+from engine.extras.speculative import ngram
+from engine.extras.speculative.config import SpecConfig
+from engine.extras.speculative.policy import SwitchOff
+from engine.extras.speculative.stats import SpecStats
+from engine.extras.speculative.verify import rejection_step
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.kv_manager import KVManager
+from engine.kvcache.memory import HostKVPool, KVPool
 from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.speculative import ngram
-from engine.speculative.config import SpecConfig
-from engine.speculative.policy import SwitchOff
-from engine.speculative.stats import SpecStats
-from engine.speculative.verify import rejection_step
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import PDPair, collect, kv_manager
 from tests.tiny_model import make_tiny_model

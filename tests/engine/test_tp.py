@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 35): one process per rank, rank 0 drives (engine/tp_ranks.py).
+"""Tensor parallelism (issue 35): one process per rank, rank 0 drives (engine/distributed/tp_ranks.py).
 
 TP=2 (rank 0 in this process, rank 1 a real `spawn` process over gloo, 1 thread each) against TP=1
 on the same tiny random-weight models: a Llama, a Qwen2 with one KV head (fewer than ranks: the head
@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from colocated_service.worker import ColocatedRole
 from common.procs import free_port
-from engine import tp_ranks
 from engine.config import EngineConfig, ModelConfig
-from engine.memory import pages_for
-from engine.sampling_params import SamplingParams
+from engine.distributed import tp_ranks
+from engine.kvcache.memory import pages_for
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import collect, kv_manager
 from tests.tiny_model import make_tiny_model
@@ -54,7 +54,7 @@ def _tiny(root: Path, family: str) -> Path:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(TP=1 runner, TP=2 rank-0 runner) over the same model; rank 1 runs in its own process."""
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     model = str(_tiny(tmp_path_factory.mktemp("tp"), request.param))
     one = ModelRunner(EngineConfig(model=model, **ENGINE))
@@ -106,7 +106,7 @@ def test_each_rank_holds_its_kv_heads(pair) -> None:  # noqa: ANN001
 
 @pytest.mark.slow
 def test_teacher_forced_logits_match_tp1(pair) -> None:  # noqa: ANN001
-    from engine.model_runner import LOGITS_ALL, Segment
+    from engine.forward.model_runner import LOGITS_ALL, Segment
 
     worst = 0.0
     for ids in PROMPTS:
@@ -153,7 +153,7 @@ def test_forks_prefix_hits_and_seeded_logprobs_match_tp1(pair) -> None:  # noqa:
 def _driver_then_op(cfg: EngineConfig, ready, go) -> None:  # noqa: ANN001
     """Rank 0 in a child process: one forward, `ready`, wait for `go`, one more op. Exit 3 when that op
     raises RankLost, 4 when it does not."""
-    from engine.model_runner import ModelRunner, Segment
+    from engine.forward.model_runner import ModelRunner, Segment
 
     runner = ModelRunner(cfg)
     pages = runner.pool.allocator.allocate(2)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.model_runner import ModelRunner, Segment
+from engine.forward.model_runner import ModelRunner, Segment
 from prefill_service.worker import run_prefill_worker
 from service.config import ServerConfig
 from service.launch import run_main

@@ -1,6 +1,6 @@
 """PD for an MLA model (DeepSeek-V3, random weights, 3 layers): real services, real UCX, one process per rank.
 The wire page is the latent page [layers, page_size, kv_lora_rank + rope_dim]; a TP 2 decode receives one
-copy of it and broadcasts it to its other rank (engine/tp_kv.py). Every answer equals the colocated TP 1
+copy of it and broadcasts it to its other rank (engine/distributed/tp_kv.py). Every answer equals the colocated TP 1
 service's, greedy, through the router over a TP 1 prefill and a TP 2 decode: one prompt (exactly its latent
 pages move), then two turns of a conversation, the second reusing the first's latent pages on the decode.
 (TP 1 -> TP 1 PD runs in-process in tests/engine/test_deepseek.py.)

@@ -45,7 +45,7 @@ def _reference() -> tuple[list[int], list[int]]:
 
     from engine.config import EngineConfig
     from engine.engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     torch.set_num_threads(1)
     llm = LLM(EngineConfig(max_total_tokens=2048, host_kv_tokens=0, threads=1))

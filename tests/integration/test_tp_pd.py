@@ -4,7 +4,7 @@ heads, 2 KV heads) with the embedded model's tokenizer.
 
 The wire page holds all KV heads (transfer/config.py: CompatInfo): a TP 2 prefill gathers its ranks'
 heads into full pages before sending, a TP > 1 decode receives into staging and scatters each rank its
-heads (engine/tp_kv.py); a TP 4 decode replicates each of the 2 KV heads on 2 ranks. Also: decode-side
+heads (engine/distributed/tp_kv.py); a TP 4 decode replicates each of the 2 KV heads on 2 ranks. Also: decode-side
 reuse, retraction on a TP 2 decode, a sliding-window pair (only the window moves), an abort while
 the KV is awaited, and a pair of different models refused with 412. Every answer must
 equal the colocated TP 1 service's, greedy; the test plays the router (the body plus bootstrap

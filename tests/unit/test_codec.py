@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from service import messages as sm
 from service.stats import Counters, WorkerStats
 from transfer import messages as tm

@@ -11,7 +11,7 @@ import pytest
 
 import transfer.decode_side
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from service.worker import flush_cache
 from tests.pd_harness import PDPair, collect

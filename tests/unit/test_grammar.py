@@ -16,10 +16,10 @@ import pytest
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.grammar import GrammarError, Grammars, GrammarSpec, load_hf_tokenizer, tokenizer_info
-from engine.model_runner import ModelRunner
+from engine.forward.model_runner import ModelRunner
 from engine.models.embedded import resolve_model_path
-from engine.sampling_params import SamplingParams
+from engine.sampling.grammar import GrammarError, Grammars, GrammarSpec, load_hf_tokenizer, tokenizer_info
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
 from tests.tiny_model import make_tiny_model
@@ -142,7 +142,7 @@ def test_matcher_continues_past_resumed_and_first_tokens(model_dir: Path, tok) -
     import torch
 
     from engine.request import Req
-    from engine.sampling import Sampler
+    from engine.sampling.sampler import Sampler
 
     sampler = Sampler(0, [EOS], Grammars(str(model_dir), 49152, (EOS,)))
     sp = SamplingParams(temperature=0.0, regex="(yes|no)-(red|blue)")

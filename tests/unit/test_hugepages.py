@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from engine import hugepages
-from engine.memory import KVPool
+from engine.kvcache.memory import KVPool
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
-"""engine.lifecycle: the one function that ends a request and the one outbox type (pure Python)."""
+"""engine.scheduling.lifecycle: the one function that ends a request and the one outbox type (pure Python)."""
 
 from __future__ import annotations
 
-from engine.lifecycle import Outbox, finish_request
-from engine.parallel import add_choices
 from engine.request import FinishReason, Req
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.scheduling.lifecycle import Outbox, finish_request
+from engine.scheduling.parallel import add_choices
 
 SP = SamplingParams(max_new_tokens=4)
 

@@ -10,8 +10,8 @@ import torch
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.forward.model_runner import ModelRunner
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import PDPair, collect, kv_manager
 from tests.tiny_model import make_tiny_model
@@ -146,8 +146,8 @@ def test_pd_prompt_prefilled_on_the_decode_reports_its_own_prompt_logprobs(engin
 
 def test_lm_head_rows_only_where_asked() -> None:
     """The logits each extend chunk asks the runner for (16-token chunks of a 21-token prompt)."""
-    from engine.batch import ExtendItem, _logit_rows
-    from engine.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
+    from engine.forward.batch import ExtendItem, _logit_rows
+    from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
     from engine.request import KVState, LogprobState, Req
 
     def rows(kv_len: int, n: int, **kw) -> tuple[int, int]:  # noqa: ANN003

@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.lora.runner import split_by_adapters
-from engine.model_runner import Segment
+from engine.extras.lora.runner import split_by_adapters
+from engine.forward.model_runner import Segment
 from router import lora
 from router.config import WorkerSpec
 from router.protocol import parse_request

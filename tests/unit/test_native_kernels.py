@@ -11,7 +11,7 @@ import torch
 
 from engine.attention.base import create_backend
 from engine.config import EngineConfig
-from engine.memory import KVPool
+from engine.kvcache.memory import KVPool
 from engine.models.llama import RotaryTables
 from engine.native import NativeKernels, build
 

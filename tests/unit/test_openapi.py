@@ -54,8 +54,8 @@ def test_the_document_shows_what_the_parser_enforces() -> None:
     """The services parse with these models (service/protocol.py), so the limits they enforce are in the
     schema: non-empty prompts, the ranges, the roles; and the constants agree with the engine's."""
     from common import api_requests as ar
-    from engine.parallel import MAX_N
-    from engine.sampling_params import MAX_GRAMMAR_CHARS, MAX_NEW_TOKENS_LIMIT
+    from engine.sampling.params import MAX_GRAMMAR_CHARS, MAX_NEW_TOKENS_LIMIT
+    from engine.scheduling.parallel import MAX_N
 
     assert (ar.MAX_N, ar.MAX_NEW_TOKENS, ar.MAX_GRAMMAR_CHARS) == (MAX_N, MAX_NEW_TOKENS_LIMIT, MAX_GRAMMAR_CHARS)
     doc = TestClient(create_app(RouterConfig())).get("/openapi.json").json()

@@ -1,4 +1,4 @@
-"""Parallel sampling (n > 1, engine.parallel) over a tiny random-weight model: the prompt is computed
+"""Parallel sampling (n > 1, engine.scheduling.parallel) over a tiny random-weight model: the prompt is computed
 once and its full pages shared by the n choices (cache on, and off through the private fork tree),
 greedy choices equal the n=1 answer, seeded choices differ yet are reproducible and equal in PD and
 colocated, and every page is freed after a finish or an abort."""
@@ -10,9 +10,9 @@ import pytest
 from colocated_service.worker import ColocatedRole
 from common.api_schema import ChatCompletionRequest, CompletionRequest
 from engine.config import EngineConfig
-from engine.memory import pages_for
-from engine.parallel import MAX_N, choice_seed
-from engine.sampling_params import SamplingParams
+from engine.kvcache.memory import pages_for
+from engine.sampling.params import SamplingParams
+from engine.scheduling.parallel import MAX_N, choice_seed
 from service import messages as m
 from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
 from tests.tiny_model import make_tiny_model
@@ -34,7 +34,7 @@ def _cfg(model_dir: str, cache: bool, **kw: object) -> EngineConfig:
 
 
 def _role(model_dir: str, cache: bool) -> ColocatedRole:
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     cfg = _cfg(model_dir, cache)
     runner = ModelRunner(cfg)
@@ -152,7 +152,7 @@ def test_choices_retract_and_reload_with_unchanged_outputs(model_dir: str) -> No
     cache = False
     long = SamplingParams(temperature=1.0, seed=5, max_new_tokens=16, ignore_eos=True)
     big = colocated_tokens(_cfg(model_dir, cache), [PROMPT], long, n=4)
-    from engine.model_runner import ModelRunner
+    from engine.forward.model_runner import ModelRunner
 
     cfg = _cfg(model_dir, cache, max_total_tokens=80, new_token_ratio=0.0)
     runner = ModelRunner(cfg)

@@ -10,8 +10,8 @@ import pytest
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.forward.model_runner import ModelRunner
+from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
 from tests.tiny_model import make_tiny_model

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.memory import pages_for
-from engine.sampling_params import SamplingParams
+from engine.kvcache.memory import pages_for
+from engine.sampling.params import SamplingParams
 from tests.pd_harness import PDPair, colocated_tokens
 from tests.tiny_model import make_tiny_model
 

@@ -9,13 +9,13 @@ import torch
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.kv_manager import KVManager
-from engine.memory import PageAllocator
-from engine.model_runner import LOGITS_ALL, ModelRunner, Segment
-from engine.radix_cache import RadixCache
+from engine.forward.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.kvcache.kv_manager import KVManager
+from engine.kvcache.memory import PageAllocator
+from engine.kvcache.radix_cache import RadixCache
 from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, order_waiting
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import Scheduler, order_waiting
 from service import messages as m
 from service.worker import flush_cache
 from tests.pd_harness import PDPair, collect, kv_manager

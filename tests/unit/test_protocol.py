@@ -304,7 +304,7 @@ def test_nulls_mean_not_given_as_the_document_allows() -> None:
 
 
 def test_a_capped_budget_keeps_the_params_valid() -> None:
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
     sp = SamplingParams(max_new_tokens=100, min_new_tokens=80)
     assert sp.within(200) is sp

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 
 from colocated_service.worker import ColocatedRole
-from engine import priority
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.forward.model_runner import ModelRunner
 from engine.request import FinishReason, Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sessions import SessionPins
+from engine.sampling.params import SamplingParams
+from engine.scheduling import priority
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sessions import SessionPins
 from router.config import WorkerSpec
 from router.policies import CacheAware
 from router.prefix_index import PrefixIndex

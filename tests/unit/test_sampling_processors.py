@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.sampling import Sampler, process_logits
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler, process_logits
 from tests.pd_harness import PDPair, colocated_tokens
 from tests.tiny_model import make_tiny_model
 

@@ -7,8 +7,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import order_waiting
+from engine.sampling.params import SamplingParams
+from engine.scheduling.scheduler import order_waiting
 
 SP = SamplingParams(max_new_tokens=4)
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from engine.grammar import Grammars
 from engine.models.embedded import resolve_model_path
+from engine.sampling.grammar import Grammars
 from service.messages import TokenOut
 from service.protocol import Limits, RequestError, parse_chat, parse_completion, parse_generate
 from service.responses import RequestTracker, final_body, stream_chunks

@@ -1,4 +1,4 @@
-"""KV head gather/scatter between a TP group's ranks and the transfer's full wire page (engine/tp_kv.py):
+"""KV head gather/scatter between a TP group's ranks and the transfer's full wire page (engine/distributed/tp_kv.py):
 the pure head math on tensors, then the collectives in real gloo process groups (2 ranks splitting 4
 heads, 4 ranks replicating 2 heads)."""
 
@@ -11,8 +11,8 @@ import socket
 import pytest
 import torch
 
-from engine.tp import TPGroup
-from engine.tp_kv import assemble, from_wire, gather_pages, head_slices, scatter_pages, split_heads, to_wire
+from engine.distributed.tp import TPGroup
+from engine.distributed.tp_kv import assemble, from_wire, gather_pages, head_slices, scatter_pages, split_heads, to_wire
 
 L, PS, D, PAGES = 2, 4, 8, 10
 

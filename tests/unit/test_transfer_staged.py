@@ -98,7 +98,7 @@ def test_staged_decode_hands_over_landed_full_pages(managers) -> None:
     assert sorted(got) == [4, 5, 11]
     for src, dst in ((1, 11), (2, 4), (3, 5)):
         assert torch.equal(got[dst], wire(p_pool[[src]])[0]), (src, dst)
-    assert d_shard.abs().sum() == 0  # the pool is the caller's to fill (engine/tp_kv.py scatter)
+    assert d_shard.abs().sum() == 0  # the pool is the caller's to fill (engine/distributed/tp_kv.py scatter)
 
 
 def test_a_failed_staged_room_hands_over_nothing(managers) -> None:

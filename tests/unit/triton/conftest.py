@@ -20,7 +20,8 @@ if not ON_CUDA:
     _prev = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        for _mod in ("engine.attention.triton_kernels", "engine.attention.mla_triton", "engine.lora.triton_sgmv"):
+        for _mod in ("engine.attention.triton_kernels", "engine.attention.mla_triton",
+                     "engine.extras.lora.triton_sgmv"):
             importlib.import_module(_mod)
     finally:
         if _prev is None:

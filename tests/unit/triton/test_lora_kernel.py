@@ -1,5 +1,5 @@
-"""The Triton SGMV LoRA kernel (engine/lora/triton_sgmv.py) against the CPU segmented matmul
-(engine/lora/batch.py): adapters of different ranks and targets in the registry's CUDA slot stacks,
+"""The Triton SGMV LoRA kernel (engine/extras/lora/triton_sgmv.py) against the CPU segmented matmul
+(engine/extras/lora/batch.py): adapters of different ranks and targets in the registry's CUDA slot stacks,
 mixed batches (base rows in between, scattered and contiguous runs, prefill-length segments), fp32
 and bf16. Runs under TRITON_INTERPRET=1 without a GPU (tests/unit/triton/conftest.py)."""
 
@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.lora.batch import LoRABatch
-from engine.lora.registry import LoRARegistry
-from engine.lora.triton_sgmv import sgmv
+from engine.extras.lora.batch import LoRABatch
+from engine.extras.lora.registry import LoRARegistry
+from engine.extras.lora.triton_sgmv import sgmv
 
 CFG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128, "rms_norm_eps": 1e-5,

@@ -126,7 +126,7 @@ def _lora_launches(launches: list) -> None:
     a multiple of 16) and down (14336 -> 4096) at rank 16; 3 segments over 64 rows."""
     import torch
 
-    from engine.lora.triton_sgmv import sgmv
+    from engine.extras.lora.triton_sgmv import sgmv
 
     for name, k, n, r in (("qkv", 4096, 6144, 24), ("down", 14336, 4096, 16)):
         x = torch.empty((64, k), dtype=torch.bfloat16, device="meta")
@@ -141,7 +141,7 @@ def _lora_launches(launches: list) -> None:
 
 def _record_all() -> list:
     from engine.attention import mla_triton, triton_kernels
-    from engine.lora import triton_sgmv
+    from engine.extras.lora import triton_sgmv
     from engine.models import moe_triton
 
     launches: list = []

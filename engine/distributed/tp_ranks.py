@@ -1,0 +1,301 @@
+"""Tensor-parallel ranks: one process per rank, one scheduler, rank 0 drives (docs/architecture.md,
+"Tensor parallelism").
+
+Rank 0 is the service's worker process (frontend channels, scheduler, sampling, transfer control).
+Ranks 1..N-1 run only a ModelRunner shard in `rank_loop`: receive an op, run it. Rank 0's runner
+broadcasts every op that touches model or KV data before running it itself:
+
+    rank 0 (driver)                                  rank r > 0
+    runner.forward(segments)                         rank_loop(runner)
+      send("forward", segments) ------------------>    recv -> OPS["forward"](runner, segments)
+      run_forward(segments): model (all-reduces) <-->  run_forward(segments): model (all-reduces)
+      -> logits (rank 0 only)                          -> nothing (no LM head here)
+    KVManager.fork -> pool.copy_pages(src, dst) ---->  copy_pages(src, dst)
+    retraction: host.offload(pages) (rank 0 picks     offload/reload the same page lists, each
+      the host pages) / host.reload(host, pages) --->   rank its own KV heads
+
+The tokens of every segment travel with the forward op, so a token sampled on rank 0 reaches every
+rank without another collective; only rank 0 gets logits (sampling, grammars, penalties, logprobs and
+seeds are unchanged). Page ids are rank 0's: its allocators are the only ones (a host free is
+bookkeeping there and moves nothing). `runner.collective(name, **kwargs)` runs any op registered
+with `@rank_op(name)` on every rank and returns rank 0's result (engine/distributed/tp_kv.py registers the KV
+gather/scatter of the transfer this way); a rank imports the op's module on first use.
+
+Groups: control messages go over a gloo group of their own (CPU, also under NCCL) whose timeout is
+IDLE_TIMEOUT, since ranks 1..N-1 wait in it while the service is idle; the model's all-reduce over
+gloo on CPU, NCCL on CUDA (rank r on cuda:r, or the devices listed), timeout COLLECTIVE_TIMEOUT.
+
+Faults: a rank that dies closes its sockets; rank 0's next collective raises (gloo: "connection
+closed by peer"; NCCL: its timeout) and the worker exits non-zero, and ranks whose rank 0 dies fail
+their receive and exit 1 (they also exit when their parent process goes). Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.distributed.tp import SINGLE, TPGroup
+from engine.kvcache.memory import HostKVPool, KVPool, _runs
+
+if TYPE_CHECKING:
+    from engine.forward.model_runner import ModelRunner
+
+log = logging.getLogger("pdserve.tp")
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join within this (model loads run after)
+IDLE_TIMEOUT = timedelta(days=3650)  # ranks > 0 wait for rank 0's next op this long (an idle service)
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # one all-reduce (NCCL: a hung peer fails after this)
+
+RankOp = Callable[..., Any]
+OPS: dict[str, RankOp] = {}
+
+
+def rank_op(name: str) -> Callable[[RankOp], RankOp]:
+    """Register fn(runner, **kwargs) as rank op `name`: `runner.collective(name, **kwargs)` runs it on
+    every rank of the group (rank 0 sends it, then runs it too) and returns rank 0's result."""
+    def register(fn: RankOp) -> RankOp:
+        if OPS.get(name, fn) is not fn:
+            raise ValueError(f"rank op {name!r} is registered twice")
+        OPS[name] = fn
+        return fn
+    return register
+
+
+class RankLost(RuntimeError):
+    """A rank of the TP group is gone (its process died or its connection closed)."""
+
+
+# ---- placement -----------------------------------------------------------------------------------
+def local_ranks(cfg: EngineConfig) -> range:
+    """Global ranks of the processes on this node (node_rank's even share of tp)."""
+    per = cfg.tp // cfg.nnodes
+    return range(cfg.node_rank * per, (cfg.node_rank + 1) * per)
+
+
+def rank_device(cfg: EngineConfig, rank: int) -> str:
+    """The device of global rank `rank`: cpu; the --tp-devices entry of its local index; or on CUDA
+    cuda:<N + local index> (N from --device cuda:N, else 0)."""
+    if cfg.tp == 1 or cfg.device == "cpu":
+        return cfg.device
+    local = rank % (cfg.tp // cfg.nnodes)
+    listed = [d for d in cfg.tp_devices.split(",") if d]
+    if listed:
+        return listed[local]
+    base = int(cfg.device.partition(":")[2] or 0)
+    return f"cuda:{base + local}"
+
+
+def rank_threads(cfg: EngineConfig) -> int:
+    """Torch threads of one rank: --threads, else this node's CPU budget split across its ranks."""
+    from engine.cpus import threads_per_worker
+
+    return cfg.threads or threads_per_worker(cfg.tp // cfg.nnodes)
+
+
+def check_model(mc: ModelConfig, tp: int) -> None:
+    """ValueError naming the config.json field a TP group of `tp` ranks cannot shard (before any spawn)."""
+    g = TPGroup(rank=0, size=tp)
+    g.split(mc.num_heads, "num_attention_heads")
+    g.kv_heads(mc.num_kv_heads)
+    g.split(mc.moe.intermediate_size if mc.moe else mc.intermediate_size,
+            "moe_intermediate_size" if mc.moe else "intermediate_size")
+
+
+# ---- process groups ------------------------------------------------------------------------------
+def join(cfg: EngineConfig, rank: int) -> tuple[TPGroup, Any]:
+    """Join the TP group as `rank`: (the model's TPGroup, the control group). (SINGLE, None) for tp 1."""
+    if cfg.tp == 1:
+        return SINGLE, None
+    import torch.distributed as dist
+
+    if not cfg.dist_init_addr:
+        raise ValueError("--tp > 1 needs --dist-init-addr (the launcher picks one on a single node)")
+    device = rank_device(cfg, rank)
+    dist.init_process_group("gloo", init_method=f"tcp://{cfg.dist_init_addr}", rank=rank, world_size=cfg.tp,
+                            timeout=RENDEZVOUS_TIMEOUT)
+    ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        model_group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT)
+    else:
+        model_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    log.info("tensor-parallel rank %d/%d joined at %s on %s", rank, cfg.tp, cfg.dist_init_addr, device)
+    return TPGroup(rank=rank, size=cfg.tp, group=model_group), ctrl
+
+
+def leave() -> None:
+    """Destroy this process's groups (idempotent)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Driver:
+    """Rank 0's end of the control group: `send` broadcasts one op to ranks 1..N-1."""
+
+    def __init__(self, ctrl: Any) -> None:
+        self.ctrl = ctrl
+        self.closed = False
+
+    def send(self, name: str, kwargs: dict[str, Any]) -> None:
+        """Broadcast op `name` (registered) with its arguments; RankLost if a rank is gone."""
+        import torch.distributed as dist
+
+        if self.closed:
+            raise RankLost("the tensor-parallel group is closed")
+        fn = OPS[name]
+        try:
+            dist.broadcast_object_list([(fn.__module__, name, kwargs)], src=0, group=self.ctrl)
+        except RuntimeError as e:
+            self.closed = True
+            raise RankLost(f"tensor-parallel rank lost while sending {name!r}: {e}") from e
+
+    def close(self) -> None:
+        """Tell the ranks to leave their loop (best effort: a rank may be gone already)."""
+        if self.closed:
+            return
+        try:
+            self.send("stop", {})
+        except RankLost:
+            pass
+        self.closed = True
+
+
+def rank_loop(runner: ModelRunner, ctrl: Any) -> None:
+    """Ranks 1..N-1: run rank 0's ops in order until it sends "stop". RuntimeError when rank 0 is gone."""
+    import torch.distributed as dist
+
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=ctrl)
+        module, name, kwargs = box[0]
+        if name == "stop":
+            return
+        if name not in OPS:
+            importlib.import_module(module)  # registers it
+        OPS[name](runner, **kwargs)
+
+
+def watch_parent() -> None:
+    """Exit this process (1) as soon as its parent process is gone: a rank never outlives its service."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        log.error("parent process %s is gone; tensor-parallel rank exits", parent.pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def run_rank(cfg: EngineConfig, rank: int) -> None:
+    """A rank > 0 process: join, load the shard, run ops until rank 0 stops (exit 0) or is lost (exit 1).
+    Leaves with os._exit: a gloo group torn down by interpreter exit after a lost peer aborts."""
+    import signal
+
+    from engine.forward.model_runner import ModelRunner
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service's frontend owns Ctrl-C and stops us
+    watch_parent()
+    code = 0
+    try:
+        runner = ModelRunner(cfg, rank=rank)
+        rank_loop(runner, runner.ctrl)
+        log.info("tensor-parallel rank %d stopped by rank 0", rank)
+    except Exception as e:  # noqa: BLE001 - a rank reports why it ends, then exits non-zero
+        log.error("tensor-parallel rank %d exits: %s", rank, e)
+        code = 1
+    logging.shutdown()
+    os._exit(code)
+
+
+def spawn_ranks(cfg: EngineConfig, target: Callable[..., None] = run_rank,
+                args: tuple[Any, ...] = ()) -> list[Any]:
+    """Start this node's ranks other than global rank 0 as `spawn` processes running
+    target(*args, rank) (default: run_rank(cfg, rank)); returns them, started."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in local_ranks(cfg):
+        if r == 0:
+            continue
+        p = ctx.Process(target=target, args=(*(args or (cfg,)), r), name=f"pdserve-tp-rank-{r}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+# ---- the pools rank 0 drives ---------------------------------------------------------------------
+class DrivenKVPool(KVPool):
+    """Rank 0's device pool: a page copy (a fork's partial page) runs on every rank."""
+
+    def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        self.driver.send("copy_pages", {"src": src, "dst": dst})
+        super().copy_pages(src, dst)
+
+
+class DrivenHostKVPool(HostKVPool):
+    """Rank 0's host pool: it chooses the host pages; every rank copies its own heads of the same lists."""
+
+    def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+
+    def offload(self, device: KVPool, pages: list[int]) -> list[int]:
+        host = super().offload(device, pages)
+        self.driver.send("host_offload", {"pages": pages, "host": host})
+        return host
+
+    def reload(self, device: KVPool, host: list[int], pages: list[int]) -> None:
+        self.driver.send("host_reload", {"host": host, "pages": pages})
+        super().reload(device, host, pages)
+
+
+@rank_op("stop")
+def _stop(runner: ModelRunner) -> None:
+    """Sent by Driver.close; rank_loop returns before running it."""
+
+
+@rank_op("forward")
+def _forward(runner: ModelRunner, segments: list[Any]) -> list[torch.Tensor | None]:
+    return runner.run_forward(segments)
+
+
+@rank_op("copy_pages")
+def _copy_pages(runner: ModelRunner, src: list[int], dst: list[int]) -> None:
+    runner.pool.copy_pages(src, dst)
+
+
+@rank_op("host_offload")
+def _host_offload(runner: ModelRunner, pages: list[int], host: list[int]) -> None:
+    """Device pages -> the host pages rank 0 chose ([L, 2, ps, h_r, D] each, this rank's heads)."""
+    dev, hbuf = runner.pool.buffer, runner.host_pool.buffer
+    for d, h, n in _runs(pages, host):
+        hbuf[h : h + n].copy_(dev[d : d + n], non_blocking=True)
+
+
+@rank_op("host_reload")
+def _host_reload(runner: ModelRunner, host: list[int], pages: list[int]) -> None:
+    dev, hbuf = runner.pool.buffer, runner.host_pool.buffer
+    for h, d, n in _runs(host, pages):
+        dev[d : d + n].copy_(hbuf[h : h + n], non_blocking=True)

@@ -1,0 +1,1 @@
+"""One model step: the forward batch, the model runner and the batch executor."""

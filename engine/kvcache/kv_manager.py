@@ -1,0 +1,323 @@
+"""Page bookkeeping for requests: grow, free, offload to host (retraction) and reload, and the
+admission rule.
+
+All page movement of a request goes through here, so "every page and host copy is freed" has one
+place to hold. The admission rule (`reservation`, `can_admit`) is written here once and used by the
+colocated scheduler, the PD decode's pre-allocation and the extend planner alike.
+
+Sliding-window models (`window` > 0: every layer attends to at most that many tokens back) never
+read a page again once it lies wholly before the next query's window: `trim` frees such pages while
+the request runs and leaves 0 (the reserved page) in their place in `req.kv.pages`, which stays indexed
+by position; `req.kv.dropped_pages` counts them. A long generation then holds O(window) pages, and
+retraction offloads only the live ones.
+
+Prefix cache (`prefix_cache=True`, full-attention models only: a sliding window frees pages a later
+request would share, so a windowed model runs without it): `match` gives a new request the pages of
+its longest cached page-aligned prefix (`engine/kvcache/radix_cache.py`), locked, as the first
+`req.kv.shared_pages` entries of `req.kv.pages`, and sets `kv_len`/`cached_tokens` so only the rest is
+computed. `release` inserts the request's full pages into the tree (the tree takes them; duplicates
+and the partial last page are freed) and unlocks. The tree's unlocked pages count as free
+(`free_pages`): allocation evicts them, LRU, when the free list runs short, so the admission rule
+needs no second form. Retraction copies the shared pages to the host too and drops the lock (a
+retracted request holds no device page); the cache keeps them, evictable.
+
+Forks (parallel sampling, engine.scheduling.parallel): `fork` gives a choice the parent's prompt KV. The full
+prompt pages are shared through `tree` (the prefix cache, or with the cache off a private tree that
+keeps nothing unlocked: pages go back to the free list when the last choice lets go), locked by
+every choice like a matched prefix; the partial last page is copied. A sliding-window model has no
+tree: a fork copies the live pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.kvcache.hicache import HiCacheSpec, HiRadixCache, build_cache
+from engine.kvcache.memory import HostKVPool, KVPool, pages_for
+from engine.kvcache.radix_cache import RadixCache
+from engine.request import Req
+from engine.stats import PrefixCacheStats
+
+
+def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
+    """Pages kept back for the future tokens of `reqs`: for each, new_token_ratio of the tokens it
+    may still generate, rounded up to whole pages (ratio 0 reserves nothing: admit greedily and rely
+    on retraction)."""
+    return sum(pages_for(int(ratio * (r.sampling.max_new_tokens - r.num_output_tokens)), page_size) for r in reqs)
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
+                 hicache: HiCacheSpec | None = None) -> None:
+        self.pool = pool
+        self.host = host_pool
+        self.page_size = pool.page_size
+        self.window = window  # tokens the widest layer looks back; 0 = some layer sees everything
+        self.retractions = 0
+        self.reloads = 0
+        self.trimmed_pages = 0  # pages freed because they fell out of every layer's window
+        self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
+        use_cache = prefix_cache and not window
+        self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
+        if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/kvcache/hicache)
+            self.cache = build_cache(hicache, pool)
+        # the tree forked choices share prompt pages through (the cache, else private; None: copy)
+        self.tree = self.cache if self.cache is not None else \
+            (None if window else RadixCache(self.page_size, pool.allocator.free))
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Give a request that holds no pages its longest cached prefix (locked); returns its tokens.
+        At least the last prompt token is always computed (its logits are sampled), and prompt
+        logprobs asked for are never skipped."""
+        if self.cache is None or req.kv.pages or req.kv.host_pages:
+            return 0
+        limit = len(req.token_ids) - 1
+        if req.logprobs.wants_input:
+            limit = min(limit, max(req.logprobs.start_len, 1) - 1)
+        if req.features.hidden:  # every prompt position's hidden state is computed (engine.extras.features)
+            limit = 0
+        if isinstance(self.cache, HiRadixCache):  # loads host/disk pages of the prefix into device pages
+            hit = self.cache.fetch(req.token_ids, limit, req.cache_namespace, self._allocate,
+                                   pages_for(len(req.token_ids), self.page_size))
+        else:
+            hit = self.cache.match(req.token_ids, limit, req.cache_namespace)
+        if not hit.pages:
+            return 0
+        self.cache.lock(hit.node)
+        req.kv.prefix_node, req.kv.shared_pages, req.kv.pages = hit.node, len(hit.pages), list(hit.pages)
+        req.kv.kv_len = req.kv.cached_tokens = len(hit.pages) * self.page_size
+        self.hit_tokens += req.kv.kv_len
+        return req.kv.kv_len
+
+    def unmatch(self, req: Req) -> None:
+        """Undo `match` for a request that was not admitted after all (it computed nothing)."""
+        if self.cache is None or req.kv.prefix_node is None:
+            return
+        assert len(req.kv.pages) == req.kv.shared_pages and req.kv.kv_len == req.kv.cached_tokens
+        self._unlock(req)
+        self.hit_tokens -= req.kv.kv_len
+        req.kv.pages, req.kv.kv_len, req.kv.cached_tokens = [], 0, 0
+
+    def unreserve(self, req: Req) -> None:
+        """Give back what a request reserved but never filled (its own pages) and undo its match: a
+        PD decode whose prefill refused its cached prefix starts the transfer over, whole."""
+        own = req.kv.pages[self._head(req) :]
+        del req.kv.pages[self._head(req) :]
+        if own:
+            self.pool.allocator.free(own)
+        self.unmatch(req)
+
+    def prefix_len(self, req: Req) -> int:
+        """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
+        if self.cache is None:
+            return 0
+        return self.cache.match_len(req.token_ids, len(req.token_ids) - 1, req.cache_namespace)
+
+    def flush(self) -> int:
+        """Drop every unlocked cached page (the caller checks the service is idle); returns pages."""
+        return 0 if self.cache is None else self.cache.flush()
+
+    def cache_stats(self) -> PrefixCacheStats:
+        c = self.cache
+        return PrefixCacheStats(cached_tokens=0 if c is None else c.cached_pages * self.page_size,
+                                hit_tokens=self.hit_tokens,
+                                evicted_tokens=0 if c is None else c.evicted_pages * self.page_size,
+                                tiers=c.tier_stats(self.hit_tokens) if isinstance(c, HiRadixCache) else {})
+
+    def _allocate(self, n: int) -> list[int]:
+        alloc = self.pool.allocator
+        if self.cache is not None and n > alloc.num_free:
+            self.cache.evict(n - alloc.num_free)
+        return alloc.allocate(n)
+
+    def extra_pages(self, req: Req, new_tokens: int) -> int:
+        """Pages req still needs so that kv_len + new_tokens tokens fit."""
+        return max(0, pages_for(req.kv.kv_len + new_tokens, self.page_size) - len(req.kv.pages))
+
+    def grow(self, req: Req, new_tokens: int) -> None:
+        n = self.extra_pages(req, new_tokens)
+        if n:
+            req.kv.pages.extend(self._allocate(n))
+
+    def rollback(self, req: Req) -> int:
+        """Free the request's own pages wholly past its computed tokens (kv_len): a speculative verify
+        wrote KV at positions it then rejected (engine/extras/speculative). Returns pages freed."""
+        keep = max(pages_for(req.kv.kv_len, self.page_size), self._head(req))
+        extra = req.kv.pages[keep:]
+        if extra:
+            del req.kv.pages[keep:]
+            self.pool.allocator.free(extra)
+        return len(extra)
+
+    def window_start(self, kv_len: int) -> int:
+        """Index of the first page a query at position kv_len (or later) can read: pages before it
+        lie wholly outside every layer's window. 0 without a sliding window."""
+        if not self.window:
+            return 0
+        return min(max(0, kv_len - self.window + 1) // self.page_size, max(0, pages_for(kv_len, self.page_size) - 1))
+
+    def peak_pages(self, prompt_tokens: int, chunk: int) -> int:
+        """Most pages a request holds at once while its prompt is computed in chunks of at most
+        `chunk` tokens and its next token decoded. With a sliding window the pages behind the window
+        are trimmed after each step, so the peak is the window plus one chunk (plus the page each end
+        straddles), not the whole prompt."""
+        whole = pages_for(prompt_tokens + 1, self.page_size)
+        if not self.window:
+            return whole
+        return min(whole, pages_for(self.window + max(1, chunk), self.page_size) + 1)
+
+    def capacity_error(self, prompt_tokens: int, chunk: int = 0) -> str | None:
+        """Why a prompt can never fit this pool (its live KV plus one token), or None. `chunk` is the
+        largest prompt chunk one step computes (0: the whole prompt at once)."""
+        cap = self.pool.allocator.capacity
+        if self.peak_pages(prompt_tokens, chunk or prompt_tokens) > cap:
+            return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
+        return None
+
+    def can_admit(self, need: int, own: int, reserved: int, busy: bool) -> bool:
+        """Admission: a new request's `need` pages now plus its `own` reservation must fit in the free
+        pages less `reserved` (the reservations of requests already admitted). With nothing else
+        holding pages (`busy` False) it only needs `need` free pages."""
+        free = self.free_pages
+        return need <= free and (not busy or need + own <= free - reserved)
+
+    @property
+    def free_pages(self) -> int:
+        """Pages an allocation can get: the free list plus the cache's evictable pages."""
+        return self.pool.allocator.num_free + (0 if self.cache is None else self.cache.evictable_pages)
+
+    @property
+    def used_tokens(self) -> int:
+        """KV tokens held by requests (pages no eviction can reclaim): 0 when idle, cache or not."""
+        return (self.pool.allocator.capacity - self.free_pages) * self.page_size
+
+    def allocate(self, n: int) -> list[int]:
+        """n device pages for a request's own use (evicting cached pages if needed)."""
+        return self._allocate(n)
+
+    def trim(self, req: Req) -> int:
+        """Free the pages no future query of `req` can see (sliding window); returns how many."""
+        if not self.window or req.kv.host_pages:
+            return 0
+        keep_from = min(self.window_start(req.kv.kv_len), len(req.kv.pages))  # the next query sits at kv_len
+        if keep_from <= req.kv.dropped_pages:
+            return 0
+        gone = req.kv.pages[req.kv.dropped_pages : keep_from]
+        self.pool.allocator.free(gone)
+        req.kv.pages[req.kv.dropped_pages : keep_from] = [0] * len(gone)
+        req.kv.dropped_pages = keep_from
+        self.trimmed_pages += len(gone)
+        return len(gone)
+
+    def release(self, req: Req) -> None:
+        """Free every device page and host copy the request holds (idempotent). With the prefix
+        cache, the full pages of its computed tokens (prompt and output) go to the tree instead,
+        and its lock on the shared prefix is dropped."""
+        own = req.kv.pages[self._head(req) :]
+        if self.cache is not None and req.kv.pages and not req.kv.host_pages:
+            full = min(req.kv.kv_len // self.page_size, len(req.kv.pages))
+            _, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages,
+                                       req.cache_namespace)
+            own = dup + req.kv.pages[max(full, req.kv.shared_pages) :]
+        if own:
+            self.pool.allocator.free(own)
+        req.kv.pages = []
+        self._unlock(req)
+        if req.kv.host_pages:
+            self.host.free(req.kv.host_pages)
+            req.kv.host_pages = []
+
+    def _unlock(self, req: Req) -> None:
+        """Drop req's lock on its shared prefix (a private fork tree frees what nobody holds now)."""
+        if req.kv.prefix_node is None:
+            return
+        self.tree.unlock(req.kv.prefix_node)  # type: ignore[union-attr]
+        req.kv.prefix_node, req.kv.shared_pages = None, 0
+        if self.cache is None:
+            self.tree.flush()  # type: ignore[union-attr]
+
+    # ---- forks (parallel sampling) -------------------------------------------------------------
+    def fork_pages(self, prompt_tokens: int) -> int:
+        """Pages one fork of a computed prompt of `prompt_tokens` tokens allocates: its partial last
+        page (shared full pages), or every live page (no tree: a sliding-window model copies)."""
+        whole = pages_for(prompt_tokens, self.page_size)
+        if self.tree is not None:
+            return whole - prompt_tokens // self.page_size
+        return whole - self.window_start(prompt_tokens)
+
+    def fork(self, parent: Req, child: Req) -> None:
+        """Give `child` (holding nothing) the KV of `parent`, whose prompt is computed and which has
+        generated nothing past its first token: shared full prompt pages (locked by child too) plus a
+        copy of the rest. The caller checked `fork_pages` fit (free_pages)."""
+        assert not child.kv.pages and not child.kv.host_pages and parent.kv.kv_len == parent.num_prompt_tokens
+        if self.tree is not None:
+            self._share_prompt(parent)
+        head = self._head(parent)
+        rest = parent.kv.pages[head:]
+        new = self._allocate(len(rest))
+        self.pool.copy_pages(rest, new)
+        child.kv.pages = parent.kv.pages[:head] + new
+        child.kv.dropped_pages = parent.kv.dropped_pages
+        if parent.kv.prefix_node is not None:
+            self.tree.lock(parent.kv.prefix_node)  # type: ignore[union-attr]
+            child.kv.prefix_node, child.kv.shared_pages = parent.kv.prefix_node, parent.kv.shared_pages
+        child.kv.kv_len, child.kv.cached_tokens = parent.kv.kv_len, parent.kv.cached_tokens
+
+    def _share_prompt(self, req: Req) -> None:
+        """Move req's full prompt pages into the tree, locked by req (as if it had matched them).
+        A page the tree already holds for the same tokens replaces req's copy, which is freed."""
+        tree, ps = self.tree, self.page_size
+        assert tree is not None
+        full = min(req.num_prompt_tokens // ps, len(req.kv.pages))
+        if full <= req.kv.shared_pages:
+            return
+        node, dup = tree.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages, req.cache_namespace)
+        path, n = [], node
+        while n is not tree.root:
+            path.append(n.page)
+            n = n.parent
+        req.kv.pages[:full] = path[::-1]
+        if dup:
+            self.pool.allocator.free(dup)
+        tree.lock(node)
+        if req.kv.prefix_node is not None:
+            tree.unlock(req.kv.prefix_node)
+        req.kv.prefix_node, req.kv.shared_pages = node, full
+
+    @staticmethod
+    def _head(req: Req) -> int:
+        """Leading entries of req.kv.pages that are not its own: trimmed (0) or the cache's (shared)."""
+        return max(req.kv.dropped_pages, req.kv.shared_pages)
+
+    def can_offload(self, req: Req) -> bool:
+        return self.host.can_hold(len(req.kv.pages) - req.kv.dropped_pages)
+
+    def offload(self, req: Req) -> None:
+        """Retract: copy the request's live KV pages to the host pool and free its own device pages.
+        Shared (cached) pages are copied too and unlocked, not freed: a retracted request holds
+        nothing on the device (two retracted requests' locks could otherwise starve each other's
+        reload), and reload gives it fresh pages for all of them."""
+        live = req.kv.pages[req.kv.dropped_pages :]
+        assert live and not req.kv.host_pages
+        req.kv.host_pages = self.host.offload(self.pool, live)
+        self.pool.allocator.free(req.kv.pages[self._head(req) :])
+        self._unlock(req)
+        req.kv.pages = req.kv.pages[: req.kv.dropped_pages]
+        req.kv.retractions += 1
+        self.retractions += 1
+
+    def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
+        return pages_for(req.kv.kv_len + extra_tokens, self.page_size) - len(req.kv.pages) <= self.free_pages
+
+    def reload(self, req: Req) -> None:
+        """Bring a retracted request's KV back into fresh device pages; host pages are freed."""
+        assert req.kv.host_pages and len(req.kv.pages) == req.kv.dropped_pages
+        pages = self._allocate(len(req.kv.host_pages))
+        self.host.reload(self.pool, req.kv.host_pages, pages)
+        req.kv.pages = req.kv.pages + pages
+        req.kv.host_pages = []
+        self.reloads += 1
+
+    def all_free(self) -> bool:
+        return self.pool.allocator.all_free() and self.host.all_free()

@@ -1,0 +1,175 @@
+"""Prefix cache: a radix tree over token ids at page granularity, holding KV page ids.
+
+Each edge is one full page of token ids (`page_size` ids); its node holds the device page with
+those tokens' KV. A prefix is shareable page by page; the partial last page of a sequence is never
+cached (the next request recomputes it). Pure Python: no torch, testable alone.
+
+Namespaces: every lookup and insert names a `namespace` (Req.cache_namespace: the cache salt and
+the LoRA adapter). KV computed under one namespace never serves another: a prefix's first page key
+carries its namespace, so each namespace is its own subtree under the root ("" is today's tree).
+
+Ownership: a page in the tree belongs to the tree; a request that matched a prefix uses the tree's
+pages read-only and holds a lock on the deepest matched node (`lock`: +1 on every node of the path).
+A node with lock_ref 0 has only unlocked descendants, so every unlocked page is evictable by
+removing leaves, least recently used first (`evict`). Counters kept honest at every change:
+`cached_pages` (all pages in the tree) and `evictable_pages` (lock_ref 0).
+
+Tiers (engine/kvcache/hicache, HiRadixCache): a node may also hold a host page (`host` >= 0) and may lose
+its device page (`page` -1): it then stays in the tree, reachable by `match_len`, and `match` stops
+at it (only device pages are handed out). Device residence is prefix-closed (a node on the device
+has its parent on the device), and `insert` gives a host-only node the inserting request's device
+page. Without tiers every node holds a device page and `host` stays -1.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Node:
+    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash")
+
+    def __init__(self, parent: Node | None, key: tuple, page: int) -> None:
+        self.parent = parent
+        self.key = key  # the page's token ids (a first page's: its namespace, then the ids)
+        self.page = page  # device page holding their KV (0 for the root; -1: not on the device)
+        self.children: dict[tuple, Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+        self.host = -1  # host-tier page holding a copy (engine/kvcache/hicache; -1: none)
+        self.hash: bytes | None = None  # chained page hash (disk tier key), computed on first use
+
+
+class Match(NamedTuple):
+    pages: list[int]  # device pages of the matched prefix, in order
+    node: Node  # deepest matched node (the root when nothing matched): what a request locks
+
+
+class RadixCache:
+    """`free_pages(pages)` hands evicted pages back to the allocator."""
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self.free_pages = free_pages
+        self.root = Node(None, (), 0)
+        self.root.lock_ref = 1  # never evicted, never counted
+        self.cached_pages = 0
+        self.evictable_pages = 0
+        self.evicted_pages = 0  # counter: pages evicted since start
+        self._clock = itertools.count(1)
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def _keys(self, ids: list[int], max_tokens: int, namespace: str = "") -> list[tuple]:
+        ps = self.page_size
+        n = min(len(ids), max_tokens) // ps
+        keys: list[tuple] = [tuple(ids[i * ps : (i + 1) * ps]) for i in range(n)]
+        if namespace and keys:
+            keys[0] = (namespace, *keys[0])
+        return keys
+
+    def match(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> Match:
+        """Longest cached page-aligned prefix of ids[:max_tokens] in `namespace`; touches the path
+        (LRU)."""
+        node, pages, now = self.root, [], next(self._clock)
+        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
+            child = node.children.get(key)
+            if child is None or child.page < 0:
+                break
+            node = child
+            node.last_access = now
+            pages.append(node.page)
+        return Match(pages, node)
+
+    def match_len(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> int:
+        """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch); with tiers,
+        pages held on the host count too (a match loads them)."""
+        node, n = self.root, 0
+        for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
+            node = node.children.get(key)  # type: ignore[assignment]
+            if node is None:
+                break
+            n += self.page_size
+        return n
+
+    # ---- locks --------------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= 1
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock of an unlocked node"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += 1
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- insert -------------------------------------------------------------------------------
+    def insert(self, ids: list[int], pages: list[int], owned_from: int,
+               namespace: str = "") -> tuple[Node, list[int]]:
+        """Insert the full pages of `ids` (KV in `pages`, in order). The tree takes `pages[i]` for
+        every page it did not hold; a page it already holds under another id is a duplicate and is
+        returned for the caller to free, when i >= owned_from (pages before it are the tree's own,
+        matched earlier). Returns (deepest node, duplicates)."""
+        node, dup, now = self.root, [], next(self._clock)
+        for i, key in enumerate(self._keys(ids, len(pages) * self.page_size, namespace)):
+            child = node.children.get(key)
+            if child is None:
+                assert i >= owned_from, "a matched page is missing from the tree (evicted while locked?)"
+                child = Node(node, key, pages[i])
+                node.children[key] = child
+                self.cached_pages += 1
+                self.evictable_pages += 1
+            elif child.page < 0:  # a host-only node (tiers): it takes this device page
+                assert i >= owned_from, "a matched page is not on the device"
+                child.page = pages[i]
+                self.cached_pages += 1
+                self.evictable_pages += 1
+            elif child.page != pages[i] and i >= owned_from:
+                dup.append(pages[i])
+            child.last_access = now
+            node = child
+        return node, dup
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def evict(self, n: int) -> int:
+        """Free at least n unlocked pages, least recently used leaves first (fewer when fewer are
+        evictable; evict(0) is a no-op). Returns how many were freed."""
+        if n <= 0:
+            return 0
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < n:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key]
+            freed.append(leaf.page)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self.cached_pages -= len(freed)
+        self.evictable_pages -= len(freed)
+        self.evicted_pages += len(freed)
+        self.free_pages(freed)
+        return len(freed)
+
+    def flush(self) -> int:
+        """Evict everything unlocked; returns pages freed."""
+        return self.evict(self.evictable_pages)
+
+    def _leaves(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            elif node is not self.root:
+                out.append(node)
+        return out

@@ -1,0 +1,383 @@
+"""Colocated scheduler: mixed chunked prefill and continuous decode in one engine.
+
+Request lifecycle (colocated):
+1. `add`: validated, appended to `waiting`.
+2. Each `step`: retracted requests at the head of `waiting` are reloaded from host memory when
+   they fit; running requests get a page for their next token, retracting the newest ones to the
+   host pool when pages run out; waiting requests are admitted into an extend batch under the token
+   budget by the ExtendPlanner (one chunk of at most `chunked_prefill_size` each; a partial chunk
+   ends the batch), keeping a reservation for the running requests' future tokens.
+3. One forward runs the extend chunks and all running decodes together (BatchExecutor); with
+   --speculative a decode may verify its proposed tokens in the same forward (engine/extras/speculative).
+4. Requests whose prompt completed join `running`; finished requests release every page
+   (engine.scheduling.lifecycle.finish_request) and everything to report goes to the `Outbox`, which the
+   role drains (`drain`).
+
+Roles never touch the queues: they ask `load`, `counts`, `has_retracted`, `full`,
+`queued_prefill_tokens` and `reserved_pages`, act through `add`, `join_running`, `make_room`,
+`abort` and `step`, and report what `drain` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from engine.config import EngineConfig
+from engine.extras.speculative.speculator import make_speculator
+from engine.extras.speculative.stats import SpecStats
+from engine.forward.batch import BatchExecutor, ExtendItem, StepResult
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.hicache import HiCacheSpec
+from engine.kvcache.kv_manager import KVManager, reservation
+from engine.request import FinishReason, Req
+from engine.sampling.grammar import Grammars
+from engine.sampling.sampler import Sampler
+from engine.sampling.stops import StopChecker, TailDecoder
+from engine.scheduling import priority
+from engine.scheduling.lifecycle import Outbox, finish_request
+from engine.scheduling.parallel import choices
+from engine.stats import SchedulerStats
+
+
+def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = True) -> BatchExecutor:
+    """The batch executor of a role; stop strings are checked with the model's tokenizer (TailDecoder)."""
+    tail = TailDecoder(runner.model_path) if stop_strings else None
+    stops = StopChecker(runner.model_cfg.eos_token_ids, runner.context_length, tail)
+    eos = runner.model_cfg.eos_token_ids
+    grammars = Grammars(runner.model_path, runner.model_cfg.vocab_size, eos)
+    grammars.warm()  # ready for a grammar request by the time one comes
+    return BatchExecutor(runner, Sampler(cfg.seed, eos, grammars), stops)
+
+
+def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0) -> str | None:
+    """The engine's own guard (the offline LLM has no frontend): empty, too long, or never fits the
+    pool when computed in chunks of `chunk` tokens (0: at once)."""
+    n = req.num_prompt_tokens
+    if n == 0:
+        return "the prompt is empty"
+    if n >= context_length:
+        return f"the prompt has {n} tokens; the context length is {context_length}"
+    return kv.capacity_error(n, chunk)
+
+
+POLICIES = ("fcfs", "sjf", "lpm")
+
+
+def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float,
+                  prefix_len: Callable[[Req], int] | None = None) -> list[Req]:
+    """The order in which waiting prompts are planned.
+
+    fcfs: arrival order. sjf (shortest uncomputed prompt first) and lpm (longest cached prefix
+    first, `prefix_len(req)` tokens; SGLang's policy): prompts already started come first, in
+    arrival order (their next chunk continues, so pages are not held idle); then every prompt that
+    has waited `aging_s` or longer, oldest first (the aging bound: a prompt waits at most about
+    aging_s plus the work already ahead of it); then the rest by the policy's key, ties by arrival."""
+    reqs = list(reqs)
+    if policy == "fcfs":
+        return reqs
+
+    def rank(r: Req) -> int:
+        if policy == "lpm":
+            return -(prefix_len(r) if prefix_len is not None else 0)
+        return r.num_prompt_tokens - r.kv.kv_len
+
+    def key(r: Req) -> tuple:
+        if r.kv.kv_len > 0:
+            return (0, r.created, 0)
+        if now - r.created >= aging_s:
+            return (1, r.created, 0)
+        return (2, rank(r), r.created)
+
+    return sorted(reqs, key=key)
+
+
+class ExtendPlanner:
+    """Picks one step's prompt chunks, FIFO: at most chunked_prefill_size tokens per request and
+    max_prefill_tokens per batch; a partial chunk ends the batch, and so does the first request that
+    does not fit. Pages are allocated for the chosen chunks (KVManager.grow).
+
+    reserve=True (colocated, decode): the admission rule applies (`KVManager.can_admit` with the
+    running requests' reservations), retracted requests are not planned here (nothing new is
+    admitted behind one, but a prompt already started continues: its pages would otherwise stay
+    held while the retracted request waits for them) and the running batch caps at
+    max_running_requests. reserve=False (prefill): a request leaves once its prompt is
+    computed, so only free pages count.
+
+    A new request first takes its cached prefix (KVManager.match); if it is then not admitted, the
+    match is undone (KVManager.unmatch), so a waiting request holds no lock.
+    """
+
+    def __init__(self, kv: KVManager, cfg: EngineConfig, reserve: bool = True) -> None:
+        self.kv, self.cfg, self.reserve = kv, cfg, reserve
+
+    def plan(self, waiting: Iterable[Req], running: list[Req] | None = None) -> list[ExtendItem]:
+        cfg, kv, running = self.cfg, self.kv, running or []
+        ratio = cfg.new_token_ratio if self.reserve else 0.0
+        reserved = reservation(running, ratio, kv.page_size)
+        budget = cfg.max_prefill_tokens
+        items: list[ExtendItem] = []
+        behind_retracted = False
+        for r in waiting:
+            if self.reserve and r.is_retracted:
+                behind_retracted = True  # reloads first: nothing new is admitted behind it
+                continue
+            new = not r.kv.pages and not r.kv.host_pages  # a new admission
+            if budget <= 0 or (new and behind_retracted) or \
+                    (self.reserve and len(running) + len(items) >= cfg.max_running_requests):
+                break
+            if new:
+                kv.match(r)
+            n = min(len(r.token_ids) - r.kv.kv_len, cfg.chunked_prefill_size, budget)
+            forks = fork_need(kv, r, n) if self.reserve else 0
+            own = reservation(choices(r), ratio, kv.page_size) if new else 0
+            if n <= 0 or not kv.can_admit(kv.extra_pages(r, n) + forks, own, reserved,
+                                          busy=bool(items or running)):
+                if new:
+                    kv.unmatch(r)
+                break
+            kv.grow(r, n)
+            reserved += own + forks  # the forks' pages are taken right after this step's forward
+            budget -= n
+            items.append(ExtendItem(r, n))
+            if not items[-1].completes_prompt:
+                break
+        return items
+
+
+def fork_need(kv: KVManager, r: Req, n: int) -> int:
+    """Pages r's forks (n > 1) take once a chunk of n tokens completes its prompt (0 before)."""
+    if not r.choice.forks or r.kv.kv_len + n < len(r.token_ids):
+        return 0
+    return len(r.choice.forks) * kv.fork_pages(r.num_prompt_tokens)
+
+
+Event = Callable[[str, Req], None]
+
+
+class Counts(NamedTuple):
+    """The scheduler's queues: `waiting` (retracted ones included) and `running`."""
+
+    waiting: int
+    running: int
+    retracted: int  # waiting requests whose KV is in the host pool
+
+
+class Scheduler:
+    """`on_event(name, req)`, when given, hears "running" (prompt done or joined), "retract" (KV moved
+    to the host pool) and "reload" (moved back) for each request: the services trace with it.
+    `outbox`: where finished and sampled requests go (a role that ends requests of its own passes
+    its outbox, so one drain reports both); the queues `waiting` and `running` are read-only outside."""
+
+    def __init__(self, runner: ModelRunner, cfg: EngineConfig, kv: KVManager | None = None,
+                 on_event: Event | None = None, outbox: Outbox | None = None) -> None:
+        self.on_event = on_event
+        self.cfg = cfg
+        self.runner = runner
+        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.prefix_cache,
+                                  HiCacheSpec.from_config(cfg))
+        self.exec = make_executor(runner, cfg)
+        self.spec = make_speculator(runner, cfg, self.kv, self.exec.sampler)  # None: --speculative off
+        self.planner = ExtendPlanner(self.kv, cfg)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.outbox = outbox if outbox is not None else Outbox()
+
+    # ---- intake -------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        """Queue a new request (reported with a 400 at the next drain when its prompt can never run)."""
+        err = validate_prompt(req, self.runner.context_length, self.kv, self.cfg.chunked_prefill_size)
+        if err:
+            finish_request(req, self.kv, self.outbox, FinishReason.ERROR, err, 400)
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str = "", room: int | None = None, everything: bool = False,
+              reason: str = "aborted") -> int:
+        victims = [r for r in list(self.waiting) + self.running if r.matches(rid, room, everything)]
+        for r in victims:
+            self._finish(r, FinishReason.ABORT, reason, 499)
+        return len(victims)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def load(self) -> int:
+        """Requests in this scheduler: running, waiting or retracted."""
+        return len(self.waiting) + len(self.running)
+
+    def counts(self) -> Counts:
+        return Counts(len(self.waiting), len(self.running), sum(1 for r in self.waiting if r.is_retracted))
+
+    def has_retracted(self) -> bool:
+        """A retracted request waits to be reloaded (nothing new should be admitted before it)."""
+        return any(r.is_retracted for r in self.waiting)
+
+    def full(self, pending: int = 0) -> bool:
+        """The running cap (max_running_requests) is reached, counting `pending` requests the caller
+        holds for this scheduler (a PD decode's rooms still receiving KV)."""
+        return self.load() + pending >= self.cfg.max_running_requests
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute by the prompts queued here (a queued prompt not yet matched
+        against the prefix cache counts only what the cache lacks)."""
+        return sum(r.num_prompt_tokens - max(r.kv.kv_len, self.kv.prefix_len(r))
+                   for r in self.waiting if not r.is_retracted)
+
+    def drain(self) -> list[Req]:
+        """The requests with something to report since the last drain (engine.scheduling.lifecycle.Outbox)."""
+        return self.outbox.drain()
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Schedule (reload, grow running requests, plan prompt chunks), run one forward, and
+        postprocess: prompts done join `running`, sampled and finished requests go to the outbox."""
+        if self.cfg.enable_priority_scheduling:
+            self._prioritize()
+        self._reload_retracted()
+        if self.cfg.enable_priority_scheduling and priority.preempt(self, time.monotonic()):
+            self._prioritize()
+        decode = self._prepare_decode()
+        order = self.waiting
+        if self.cfg.enable_priority_scheduling:
+            order = list(self.waiting)  # already in priority order (with the policy's within a priority)
+        elif self.cfg.schedule_policy != "fcfs":
+            order = order_waiting(self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s,
+                                  time.monotonic(), self.kv.prefix_len)
+        extend = self.planner.plan(order, self.running)
+        result = self.exec.run(extend, decode)
+        self._postprocess(result)
+
+    def _prioritize(self) -> None:
+        """--enable-priority-scheduling: `waiting` in priority order (the policy's within a priority,
+        engine.scheduling.priority.order) and `running` most urgent first."""
+        now = time.monotonic()
+        base = list(self.waiting) if self.cfg.schedule_policy == "fcfs" else order_waiting(
+            self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s, now, self.kv.prefix_len)
+        ordered = priority.order(base, self.cfg, now)
+        self.waiting.clear()
+        self.waiting.extend(ordered)
+        priority.sort_running(self)
+
+    def _postprocess(self, result: StepResult) -> None:
+        if self.spec is not None:
+            self.spec.settle(result.decoded)  # speculative totals, switch-off, rejected KV rolled back
+        for r in result.decoded + [it.req for it in result.extended]:
+            self.kv.trim(r)  # sliding-window models: drop pages no later query reads
+        for it in result.extended:
+            if it.completes_prompt:
+                self.waiting.remove(it.req)
+                self._run(it.req)
+                self.fork(it.req)
+        for r in result.sampled:
+            self.outbox.add(r)
+            if r.finished:
+                self._finish(r)
+
+    def join_running(self, r: Req) -> None:
+        """Take a request whose prompt KV is already in its pages (kv_len set) and whose first token
+        is in output_ids (PD decode): finish it if that token ends it, else add it to the batch. Its
+        forks (n > 1), each with its own first token in output_ids, fork its KV first."""
+        forks = list(r.choice.forks)
+        for c in (r, *forks):
+            self.exec.stops.check(c)
+        self.fork(r)
+        for f in forks:
+            if f.finished:
+                self._finish(f)
+        if r.finished:
+            self._finish(r)
+        else:
+            self._run(r)
+
+    def fork(self, parent: Req) -> None:
+        """n > 1: the parent's prompt is computed and every choice has its first token: each choice
+        not already finished forks the parent's KV (KVManager.fork) and joins the batch."""
+        forks, parent.choice.forks = parent.choice.forks, []
+        for f in forks:
+            if f.finished:
+                continue  # its first token ended it: reported (and freed, holding nothing) by the caller
+            self.kv.fork(parent, f)
+            self._run(f)
+
+    def _run(self, r: Req) -> None:
+        """r joins the decode batch (reported: a joining request has its first token)."""
+        self.running.append(r)
+        self.outbox.add(r)
+        if self.on_event is not None:
+            self.on_event("running", r)
+
+    def _finish(self, r: Req, reason: FinishReason | None = None, error: str | None = None, code: int = 0) -> None:
+        """Take r out of the queues and end it (lifecycle.finish_request; None: it finished itself)."""
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if self.spec is not None:
+            self.spec.forget(r)
+        finish_request(r, self.kv, self.outbox, reason, error, code)
+
+    def _reload_retracted(self) -> None:
+        while self.waiting and self.waiting[0].is_retracted:
+            r = self.waiting[0]
+            if len(self.running) >= self.cfg.max_running_requests or not self.kv.can_reload(r, 1):
+                return
+            self.kv.reload(r)
+            self.waiting.popleft()
+            self.running.append(r)
+            if self.on_event is not None:
+                self.on_event("reload", r)
+
+    def _prepare_decode(self) -> list[Req]:
+        """Give every running request room for one more token, retracting when pages run out. With
+        --speculative, its draft's tokens too (engine/extras/speculative); drafts are dropped, all of them,
+        before anyone is retracted for them."""
+        if self.spec is not None:
+            self.spec.propose(self.running)
+            if sum(self.kv.extra_pages(r, 1 + len(r.spec.draft)) for r in self.running) > self.kv.free_pages:
+                self.spec.drop(self.running)
+        need = sum(self.kv.extra_pages(r, 1) for r in self.running)
+        while need > self.kv.free_pages and self.running:
+            victim = self.running[-1]
+            need -= self.kv.extra_pages(victim, 1)
+            self.retract(victim)
+        for r in self.running:
+            self.kv.grow(r, 1 + len(r.spec.draft))
+        return list(self.running)
+
+    def make_room(self, pages: int) -> bool:
+        """Retract the newest running requests until `pages` pages are free (KVManager.free_pages);
+        returns whether they are."""
+        while pages > self.kv.free_pages and self.running:
+            self.retract(self.running[-1])
+        return pages <= self.kv.free_pages
+
+    def retract(self, r: Req) -> None:
+        """Move a running request's KV to the host pool and queue it first for reload (ended with a
+        503 when the host pool is full too)."""
+        self.running.remove(r)
+        if self.kv.can_offload(r):
+            self.kv.offload(r)
+            self.waiting.appendleft(r)
+            if self.on_event is not None:
+                self.on_event("retract", r)
+        else:
+            self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
+
+    def reserved_pages(self) -> int:
+        """Pages kept back for the running requests' future tokens (kv_manager.reservation)."""
+        return reservation(self.running, self.cfg.new_token_ratio, self.kv.page_size)
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths, KV levels and totals since start (engine.stats; the service wraps them)."""
+        waiting, running, retracted = self.counts()
+        return SchedulerStats(
+            waiting=waiting, running=running, retracted=retracted,
+            kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
+            host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
+            retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
+            window_freed_pages=self.kv.trimmed_pages, prefix=self.kv.cache_stats(),
+            spec=self.spec.stats() if self.spec is not None else SpecStats())
