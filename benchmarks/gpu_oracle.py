@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, ModelRunner, Segment  # noqa: E402
+from engine.forward.forward_batch import LOGITS_ALL, LOGITS_LAST, Segment, forward_segments  # noqa: E402
+from engine.forward.model_runner import ModelRunner  # noqa: E402
 from engine.kvcache.memory import pages_for  # noqa: E402
 
 CHUNK = 64
@@ -83,11 +84,11 @@ def engine_logits(runner: ModelRunner, prompts: list[list[int]], tail: int) -> l
             head = len(ids) - tail
             for s in range(0, head, CHUNK):
                 seg = Segment(pages[i], s, ids[s : min(s + CHUNK, head)], LOGITS_ALL)
-                out[i].append(runner.forward([seg])[0])
+                out[i].append(forward_segments(runner, [seg]).logits[0])
         for j in range(tail):  # every request q_len == 1: the decode kernel
             segs = [Segment(pages[i], len(ids) - tail + j, [ids[len(ids) - tail + j]], LOGITS_LAST)
                     for i, ids in enumerate(prompts)]
-            for i, logits in enumerate(runner.forward(segs)):
+            for i, logits in enumerate(forward_segments(runner, segs).logits):
                 out[i].append(logits.reshape(1, -1))
     finally:
         for p in pages:

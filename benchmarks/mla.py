@@ -107,7 +107,7 @@ def set_absorb(llm: LLM, on: bool) -> None:
 def decode_tok_s(llm: LLM, a: argparse.Namespace) -> float:
     """Decode forwards of batch a.batch over a.context cached tokens each (the prompts prefilled once, not
     timed): a.batch * steps / time, the model forward alone (no sampling), best of a.repeats."""
-    from engine.forward.model_runner import LOGITS_LAST, Segment
+    from engine.forward.forward_batch import LOGITS_LAST, Segment, forward_segments
     from engine.kvcache.memory import pages_for
 
     runner = llm.runner
@@ -116,11 +116,11 @@ def decode_tok_s(llm: LLM, a: argparse.Namespace) -> float:
     pages = [runner.pool.allocator.allocate(pages_for(a.context + steps, runner.page_size)) for _ in ps]
     try:
         for pg, ids in zip(pages, ps):
-            runner.forward([Segment(pg, 0, ids, LOGITS_LAST)])
+            forward_segments(runner, [Segment(pg, 0, ids, LOGITS_LAST)])
 
         def run() -> None:
             for i in range(steps):
-                runner.forward([Segment(pg, a.context + i, [7], LOGITS_LAST) for pg in pages])
+                forward_segments(runner, [Segment(pg, a.context + i, [7], LOGITS_LAST) for pg in pages])
 
         return a.batch * steps / best(run, a.repeats)
     finally:

@@ -157,7 +157,7 @@ def measure(llm: LLM, ids: list[list[int]], tokens: int) -> tuple[float, dict]:
 
 def prefill_ms(runner: ModelRunner, n: int = 512) -> float:
     """Best of 3: one n-token prompt computed in one extend over fresh pages (ms)."""
-    from engine.forward.model_runner import LOGITS_LAST, Segment
+    from engine.forward.forward_batch import LOGITS_LAST, Segment, forward_segments
     from engine.kvcache.memory import pages_for
 
     ids = [(7 * i + 3) % 1000 + 100 for i in range(n)]
@@ -165,7 +165,7 @@ def prefill_ms(runner: ModelRunner, n: int = 512) -> float:
     for _ in range(4):
         pages = runner.pool.allocator.allocate(pages_for(n, runner.page_size))
         t0 = time.perf_counter()
-        runner.forward([Segment(pages, 0, ids, LOGITS_LAST)])
+        forward_segments(runner, [Segment(pages, 0, ids, LOGITS_LAST)])
         best = min(best, time.perf_counter() - t0)
         runner.pool.allocator.free(pages)
     return best * 1000
@@ -174,7 +174,7 @@ def prefill_ms(runner: ModelRunner, n: int = 512) -> float:
 def draft_kv_choice(runner: ModelRunner, draft_dir: Path, base: EngineConfig, n: int = 512) -> dict:
     """The PD draft-KV figures: the draft's and the target's prefill of an n-token prompt, and the
     draft KV bytes a prefill would send instead (docs/architecture.md, "Speculative decoding")."""
-    from engine.extras.speculative.draft import draft_engine_config
+    from engine.forward.draft import draft_engine_config
 
     spec = SpecConfig(speculative="draft", draft_model=str(draft_dir))
     draft = ModelRunner(draft_engine_config(dataclasses.replace(base, spec=spec, max_total_tokens=4096)))

@@ -58,24 +58,25 @@ def step_times(model: Path, tp: int, threads: int, args: argparse.Namespace) -> 
     from common.procs import free_port
     from engine.config import EngineConfig
     from engine.distributed import tp_kv, tp_ranks
-    from engine.forward.model_runner import LOGITS_LAST, ModelRunner, Segment
+    from engine.distributed.tp_runner import make_runner
+    from engine.forward.forward_batch import LOGITS_LAST, Segment, forward_segments
 
     ps = 16
     cfg = EngineConfig(model=str(model), device="cpu", threads=threads, page_size=ps, tp=tp,
                        max_total_tokens=args.prefill_tokens + 16 * 272 + 4 * ps, host_kv_tokens=64,
                        dist_init_addr=f"127.0.0.1:{free_port()}" if tp > 1 else "")
     procs = tp_ranks.spawn_ranks(cfg) if tp > 1 else []
-    runner = ModelRunner(cfg, rank=0)
+    runner = make_runner(cfg)
     try:
         alloc = runner.pool.allocator
         n = args.prefill_tokens
         prompt = [(7 * i + 3) % (args.vocab - 1) for i in range(n)]
         p_pages = alloc.allocate(-(-n // ps))
-        prefill = _median_ms(lambda: runner.forward([Segment(p_pages, 0, prompt, LOGITS_LAST)]), args.repeats)
+        prefill = _median_ms(lambda: forward_segments(runner, [Segment(p_pages, 0, prompt, LOGITS_LAST)]), args.repeats)
         ctx = 256
         d_pages = [alloc.allocate(ctx // ps + 1) for _ in range(args.batch)]
         segs = [Segment(pages, ctx, [5 + i], LOGITS_LAST) for i, pages in enumerate(d_pages)]
-        decode = _median_ms(lambda: runner.forward(segs), args.repeats * 4)
+        decode = _median_ms(lambda: forward_segments(runner, segs), args.repeats * 4)
         out = {"prefill_step_ms": prefill, "decode_step_ms": decode, "threads_per_rank": threads, "ranks": tp}
         if tp > 1:
             wire = tp_kv.gather(runner, p_pages)

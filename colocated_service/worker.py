@@ -12,6 +12,7 @@ report what the scheduler's outbox holds (`Scheduler.drain`).
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.distributed.tp_runner import make_runner
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
 from engine.kvcache.kv_manager import KVManager
@@ -77,7 +78,7 @@ class ColocatedRole:
 
 def run_colocated_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
-    runner = ModelRunner(cfg.engine)
+    runner = make_runner(cfg.engine)  # a TPRunner driving ranks 1..N-1 under --tp N
     role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
                                                           cfg.engine.prefix_cache, spec_for_server(cfg)))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from common import api_schema
-from common.api_requests import NonEmpty, TokenId, _Open
+from common.api_requests import NonEmpty, TokenId, _Open, whole
 from common.checks import is_int
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -55,8 +55,19 @@ class EmbeddingRequest(_Open):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, v: Any) -> Any:
-        check_input(v)
+        try:
+            check_input(v)
+        except ValueError:  # token ids sent as whole-number floats (2.0) are ids, as for every integer field
+            v = _whole_ids(v)
+            check_input(v)
         return v
+
+
+def _whole_ids(raw: Any) -> Any:
+    """`raw` with its whole-number floats (in lists, one level of lists deep) as ints."""
+    if not isinstance(raw, list):
+        return raw
+    return [_whole_ids(t) if isinstance(t, list) else whole(t) for t in raw]
 
 
 # ---- the answer -------------------------------------------------------------------------------------

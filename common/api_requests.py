@@ -5,9 +5,11 @@ the context length, grammars that must compile, tool semantics).
 
 Contract: a body these models accept passes every type, range and shape check the services make; one
 they refuse raises `RequestInvalid` with one clear message naming the field. Types are strict (JSON's
-true is not 1, "5" is not 5; an int is a number). `null` means "not given" wherever the schema allows
-it, as OpenAI clients send it. Validators keep the services' messages where they say more than
-pydantic's (`'n' (choices per request) must be an integer in 1..64`).
+true is not 1, "5" is not 5; an int is a number), but a whole number sent as a float (2.0) is that
+integer, as JSON Schema says (`validate`). `null` means "not given" wherever the schema allows it, as
+OpenAI clients send it. Validators keep the services' messages where they say more than pydantic's
+(`'n' (choices per request) must be an integer in 1..64`). The router validates with them too
+(router/protocol.py), so it refuses what the services refuse, with their message.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ NonEmpty = Annotated[str, Field(min_length=1)]
 Grammar = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
 TopK = Literal[-1] | Annotated[int, Field(ge=1)]
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
-                      Field(max_length=1024, description="token id -> bias in [-100, 100]")]
+                      Field(max_length=1024, description="token id -> bias in [-100, 100]",
+                            json_schema_extra={"additionalProperties": False})]  # keys are token ids only
 
 
 # ---- OpenAI requests --------------------------------------------------------------------------------
@@ -330,11 +333,51 @@ class AbortRequest(_Open):
 
 # ---- validation -------------------------------------------------------------------------------------
 def validate(model: type[BaseModel], body: Any) -> Any:
-    """`model` validated from a parsed JSON body; RequestInvalid with one message on any problem."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise RequestInvalid(message(e, model, body)) from None
+    """`model` validated from a parsed JSON body; RequestInvalid with one message on any problem.
+
+    A whole number sent as a float (2.0) where an integer is expected is taken as that integer, as
+    JSON Schema, pydantic's lax mode and OpenAI's servers take it: the body is changed in place (the
+    services read some fields from it again), and only a body that failed pays for it."""
+    for _ in range(4):  # each pass fixes every integral float pydantic reported; nested ones may follow
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            if not _whole_numbers(body, e):
+                raise RequestInvalid(message(e, model, body)) from None
+    return model.model_validate(body)  # not reached for a JSON body (its depth bounds the passes)
+
+
+WHOLE_MAX = 2**63  # a float this large stays a float (refused as an integer): bodies are forwarded as JSON int64
+
+
+def whole(v: Any) -> Any:
+    """`v` as an int when it is a float holding a whole number (2.0 -> 2) within int64, else `v` unchanged."""
+    return int(v) if type(v) is float and v.is_integer() and -WHOLE_MAX <= v < WHOLE_MAX else v
+
+
+def _whole_numbers(body: Any, e: ValidationError) -> bool:
+    """Replace in `body` each integral float pydantic refused as not an integer; whether any was."""
+    changed = False
+    for err in e.errors(include_url=False, include_context=False):
+        v = err.get("input")
+        if err["type"] in ("int_type", "literal_error") and whole(v) is not v:
+            parent, key = _slot(body, err["loc"])
+            if parent is not None and type(parent[key]) is float and parent[key] == v:
+                parent[key] = whole(v)
+                changed = True
+    return changed
+
+
+def _slot(body: Any, loc: tuple) -> tuple[Any, Any]:
+    """(container, key) of the value at pydantic's error location `loc` in `body` (union branch tags
+    in `loc` are skipped), or (None, None)."""
+    parent, key, cur = None, None, body
+    for el in loc:
+        if isinstance(cur, dict) and isinstance(el, str) and el in cur:
+            parent, key, cur = cur, el, cur[el]
+        elif isinstance(cur, list) and isinstance(el, int) and 0 <= el < len(cur):
+            parent, key, cur = cur, el, cur[el]
+    return parent, key
 
 
 _WHAT = {"bool_type": "a boolean", "int_type": "an integer", "float_type": "a number", "string_type": "a string",
@@ -404,6 +447,8 @@ def message(e: ValidationError, model: type[BaseModel], body: Any) -> str:
         return f"malformed JSON body: {first['msg']}"
     if not loc:
         return f"request body must be a JSON object, got {type(body).__name__}"
+    if loc == ("messages",) and kind in ("list_type", "too_short"):  # the router's words, kept
+        return "'messages' must be a non-empty list"
     special = _special(loc, body)
     if special:
         return special

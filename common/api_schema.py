@@ -16,10 +16,15 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from common.api_requests import ChatCompletionRequest, CompletionRequest, GenerateRequest, ToolCall
+from common.http import error_body
 
 REF = "#/components/schemas/{model}"
 
@@ -235,3 +240,25 @@ def install(app: Any) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+# ---- FastAPI's own errors ---------------------------------------------------------------------------
+def install_http_errors(app: FastAPI) -> None:
+    """FastAPI's own 404/405 in the error model, on the router's app and every service's; a 405's
+    `Allow` lists every method of the path (RFC 9110; Starlette's names only the first route's)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers)
+
+
+def allowed_methods(app: FastAPI, scope: dict) -> list[str]:
+    """The methods the app's routes take at the request's path."""
+    found: list[str] = []
+    for route in app.router.routes:
+        if route.matches(scope)[0] != Match.NONE:
+            found += [m for m in sorted(getattr(route, "methods", None) or ()) if m not in found]
+    return found

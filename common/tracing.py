@@ -6,7 +6,8 @@ Contract:
   is set, unless `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none`. The other standard OTEL_*
   variables (service name, resource attributes, sampler, batch delays, headers) keep their meaning.
   Returns whether tracing is on. Each process calls it once (a service's frontend and worker both).
-- Off, `enabled()` is False and nothing here is imported beyond this module: call sites test
+- Off, `enabled()` is False and neither the SDK nor the exporter is imported (only the API package,
+  made to be imported unconditionally: without an SDK its calls do nothing): call sites test
   `enabled()` (or a request's `ReqTrace`, which is None when off) before doing any tracing work.
 - Context crosses processes as a W3C `traceparent` string: the router sends it as an HTTP header, a
   service frontend puts its own span's into `GenerateReq.traceparent` for its worker.
@@ -17,6 +18,10 @@ from __future__ import annotations
 import os
 from typing import Any
 from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACEPARENT = "traceparent"
 _ENV_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -47,6 +52,7 @@ def setup(service: str, endpoint: str = "") -> bool:
     global _tracer, _provider
     if _tracer is not None or not configured(endpoint):
         return _tracer is not None
+    # the SDK and the exporter load only when tracing is on (tests/unit/test_tracing.py checks the router)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -82,11 +88,7 @@ def _context(parent: Any) -> Any:
     """An OpenTelemetry Context from a Span, a traceparent string or None (a new trace)."""
     if parent is None or parent == "":
         return None
-    from opentelemetry import trace
-
     if isinstance(parent, str):
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
         return TraceContextTextMapPropagator().extract({TRACEPARENT: parent})
     return trace.set_span_in_context(parent)
 
@@ -97,8 +99,6 @@ def start(name: str, parent: Any = None, attrs: dict | None = None, kind: str = 
     when tracing is off. kind: internal | server | client."""
     if _tracer is None:
         return None
-    from opentelemetry.trace import SpanKind
-
     return _tracer.start_span(name, context=_context(parent), kind=getattr(SpanKind, kind.upper()),
                               attributes=attrs, start_time=start_ns)
 
@@ -122,6 +122,4 @@ def trace_id(tp: str) -> str:
 def fail(span: Any, message: str) -> None:
     """Mark `span` failed with `message` (no-op for None)."""
     if span is not None:
-        from opentelemetry.trace import Status, StatusCode
-
         span.set_status(Status(StatusCode.ERROR, message[:500]))

@@ -1,9 +1,12 @@
 """Decode worker: reserve pages, receive a prompt's KV from its prefill, then decode with the rest.
 
 Queues of one request:
-  prealloc   waiting for KV pages for its prompt; admitted in arrival order when the free pages
-             cover the prompt plus the reservation (new_token_ratio of max_new_tokens) of every
-             request already admitted; retracted requests are reloaded before anything new
+  prealloc   waiting for KV pages for its prompt; admitted in the waiting order (arrival order, or
+             most urgent first with --enable-priority-scheduling: engine.scheduling.policy) when the
+             admission rule (KVManager.can_admit) admits it: the free pages cover the prompt plus the
+             reservation (new_token_ratio of max_new_tokens) of every request already admitted;
+             retracted requests ranked before it are reloaded first. With priority, a request that
+             does not fit retracts less urgent running ones (engine.scheduling.priority.preempt)
              With the prefix cache (on unless --disable-prefix-cache), the prompt's longest cached
              page-aligned prefix (never its last token) is taken from this decode's own tree,
              locked, and pages are reserved only for the rest
@@ -41,15 +44,16 @@ from collections import deque
 
 from engine.config import EngineConfig
 from engine.distributed.tp_kv import scatter
+from engine.distributed.tp_runner import make_runner
 from engine.extras.features import from_meta
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
 from engine.kvcache.kv_manager import KVManager, reservation
 from engine.kvcache.memory import pages_for
 from engine.request import FinishReason, Req
-from engine.scheduling import priority
 from engine.scheduling.lifecycle import Outbox, finish_request
 from engine.scheduling.parallel import choices
+from engine.scheduling.policy import waiting_order
 from engine.scheduling.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
@@ -92,13 +96,13 @@ class DecodeRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv, "decode", 1)
-        if req is None:
-            return [bad]  # type: ignore[list-item]
+        req = pd_request(msg, self.kv, "decode", 1)
+        if isinstance(req, m.TokenOut):  # its prompt can never fit here: a 400
+            return [req]
         room = req.pd.room
         if room in self.transfer or any(r.pd.room == room for r in self.prealloc):
             return [error_out(msg.rid, f"room {room} is already in use on this decode", 409)]
-        why = self._local_reason(req, msg.prefill_here)
+        why = self._local_reason(req, msg.pd.prefill_here)
         if why:
             self._prefill_here(req, why)
             return []
@@ -167,6 +171,9 @@ class DecodeRole:
                 self._report(r, FinishReason.ABORT, reason, 499)
         self.sched.abort(msg.rid, msg.room, msg.abort_all, reason)
 
+    def close_session(self, session_id: str) -> None:
+        """PD services refuse sessions (400): nothing is pinned here."""
+
     # ---- one iteration ------------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.sched.has_work() or bool(self.outbox)
@@ -194,29 +201,53 @@ class DecodeRole:
         return len(r.choice.forks) * self.kv.fork_pages(r.num_prompt_tokens)
 
     def _fits(self, r: Req, busy: bool) -> bool:
-        """The admission rule for a whole prompt's KV now (its pages from the window's start on, less
-        the cached prefix it already holds)."""
+        """The admission rule (KVManager.can_admit) for a whole prompt's KV now: its pages from the
+        window's start on, less the cached prefix it already holds, plus its forks' pages."""
         n = r.num_prompt_tokens
         need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.kv.shared_pages) + self._fork_pages(r)
-        own = reservation(choices(r), self.cfg.new_token_ratio, self.kv.page_size)
-        return self.kv.can_admit(need, own, self._reserved_pages(), busy)
+        return self.kv.can_admit(r, need, self._reserved_pages(), self.cfg.new_token_ratio, busy)
+
+    def _busy(self) -> bool:
+        return bool(self.sched.counts().running or self.transfer)
 
     def _admit(self) -> None:
-        if self.cfg.enable_priority_scheduling and len(self.prealloc) > 1:  # the most urgent first
-            self.prealloc = deque(priority.order(list(self.prealloc), self.cfg, time.monotonic()))
-        while self.prealloc:
-            if self.sched.has_retracted():  # retracted requests come back first
+        """Prealloc -> transfer, in the waiting order (engine.scheduling.policy) of the prealloc queue
+        together with the requests the scheduler retracted: nothing new is admitted behind a retracted
+        request ranked before it (it is reloaded first; without priority, every retracted one is)."""
+        if not self.prealloc:
+            return
+        order = waiting_order([*self.sched.retracted(), *self.prealloc], self.cfg, time.monotonic(),
+                              self.kv.prefix_len)
+        self.prealloc = deque(r for r in order if not r.is_retracted)
+        for r in order:
+            if r.is_retracted or self.sched.full(pending=len(self.transfer)):
                 return
-            if self.sched.full(pending=len(self.transfer)):
-                return
-            r = self.prealloc[0]
-            if r.pd.room not in self.whole:
-                self.kv.match(r)  # decode-side reuse: the cached prefix's pages, locked (none: no cache)
-            if not self._fits(r, busy=bool(self.sched.counts().running or self.transfer)):
-                self.kv.unmatch(r)
+            if not self._admit_one(r):
                 return  # wait for memory
-            self.prealloc.popleft()
-            self._receive(r)
+
+    def _admit_one(self, r: Req) -> bool:
+        """Reserve r's pages and open its receiver if the admission rule admits its KV now, after
+        retracting less urgent running requests when priority allows; False: r waits, holding nothing."""
+        if r.pd.room not in self.whole:
+            self.kv.match(r)  # decode-side reuse: the cached prefix's pages, locked (none: no cache)
+        if not self._fits(r, self._busy()) and not self._preempt_for(r):
+            self.kv.unmatch(r)
+            return False
+        assert self.prealloc[0] is r
+        self.prealloc.popleft()
+        self._receive(r)
+        return True
+
+    def _preempt_for(self, r: Req) -> bool:
+        """--enable-priority-scheduling: retract running requests less urgent than r (the scheduler's
+        preemption, engine.scheduling.priority) until its KV fits; returns whether it fits now."""
+        if not self.cfg.enable_priority_scheduling:
+            return False
+
+        def admits() -> bool:
+            return self._fits(r, self._busy())
+
+        return self.sched.preempt_for(r, admits, time.monotonic()) > 0 and admits()
 
     def _receive(self, r: Req) -> None:
         """Reserve r's uncached prompt pages and open the receiver for its room."""
@@ -348,7 +379,7 @@ class DecodeRole:
 
 def run_decode_worker(cfg: ServerConfig) -> None:
     setup_process(cfg)
-    runner = ModelRunner(cfg.engine)
+    runner = make_runner(cfg.engine)  # a TPRunner driving ranks 1..N-1 under --tp N
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
                    spec_for_server(cfg))

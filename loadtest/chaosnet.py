@@ -53,6 +53,7 @@ import httpx
 
 from common.procs import wait_until
 from engine.cpus import threads_per_worker
+from engine.models.embedded import resolve_model_path
 from loadtest import promtext
 from loadtest.chaos import batch, counter, flush_caches, pools_free
 from loadtest.chaos_trigger import FaultTrigger, busiest
@@ -292,8 +293,6 @@ def _problems(row: dict, sc: Scenario) -> list[str]:
 
 
 def run(a: argparse.Namespace) -> dict:
-    from engine.models.embedded import resolve_model_path
-
     global T0
     T0 = t0 = time.monotonic()
     scenarios = [s for s in SCENARIOS if s.key in a.scenarios]

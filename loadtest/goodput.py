@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.cpus import threads_per_worker as split_cpus
+from engine.models.embedded import resolve_model_path
 from loadtest.client import ClientConfig, fetch_model
 from loadtest.metrics import SLO, fmt_ms, summarize
-from loadtest.pd_vs_colocated import MODES, ExperimentConfig, start_mode
+from loadtest.pd_vs_colocated import MODES, ExperimentConfig, add_shared_args, shared_fields, start_mode
 from loadtest.report import pyplot
 from loadtest.runner import ArrivalConfig, run
 from loadtest.services import LocalServices
@@ -143,8 +144,6 @@ def plot(path: Path, cfg: GoodputConfig, by_mode: dict[str, list[dict]]) -> Path
 
 
 def run_experiment(cfg: GoodputConfig) -> dict:
-    from engine.models.embedded import resolve_model_path
-
     model_dir = resolve_model_path(cfg.model)
     tok = load_tokenizer(model_dir)
     out = Path(cfg.out_dir)
@@ -167,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     d = GoodputConfig(out_dir="")
     p = argparse.ArgumentParser(prog="benchmarks/goodput.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--model", default="", help="HF model directory (default: the embedded model)")
+    add_shared_args(p, d)
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
                    help="offered request rates (requests/s, Poisson), comma-separated")
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load per rate")
@@ -179,34 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-tpot", type=float, default=d.slo_tpot_s, help="TPOT bound in seconds")
     p.add_argument("--attainment", type=float, default=d.attainment,
                    help="share of requests that must meet the SLO for a rate to count as sustained")
-    p.add_argument("--threads", type=int, default=d.threads_per_worker,
-                   help="torch threads per PD worker (colocated gets twice this)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
-    p.add_argument("--local-prefill-threshold", type=int, default=d.local_prefill_threshold,
-                   help="pd-local: prompts of at most this many tokens are prefilled on the decode")
-    p.add_argument("--local-prefill-max-running", type=int, default=d.local_prefill_max_running,
-                   help="pd-local: a short prompt is prefilled on the decode only while fewer than this many "
-                        "requests are on it (0: no bound)")
-    p.add_argument("--local-prefill-budget", type=int, default=d.local_prefill_budget,
-                   help="pd-local: prompt tokens the decode's local prefills may add to one step")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
     a = p.parse_args(argv)
     try:
-        cfg = GoodputConfig(out_dir=a.out, model=a.model, rates=tuple(float(r) for r in a.rates.split(",") if r),
+        cfg = GoodputConfig(**shared_fields(a), rates=tuple(float(r) for r in a.rates.split(",") if r),
                             duration_s=a.duration, input_len=a.input_len, input_std=a.input_std,
                             output_len=a.output_len, slo_ttft_s=a.slo_ttft, slo_tpot_s=a.slo_tpot,
-                            attainment=a.attainment, threads_per_worker=a.threads,
-                            modes=tuple(m for m in a.modes.split(",") if m),
-                            local_prefill_threshold=a.local_prefill_threshold,
-                            local_prefill_max_running=a.local_prefill_max_running,
-                            local_prefill_budget=a.local_prefill_budget, seed=a.seed)
+                            attainment=a.attainment)
     except ValueError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
     doc = run_experiment(cfg)
     print(table(cfg, doc["results"]))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

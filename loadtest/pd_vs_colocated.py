@@ -28,9 +28,11 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.procs import free_port
 from engine.cpus import threads_per_worker as split_cpus
+from engine.models.embedded import resolve_model_path
 from loadtest.client import ClientConfig, fetch_model
 from loadtest.metrics import RequestResult, fmt_ms, summarize_by_tag
 from loadtest.report import write_plots
@@ -135,8 +137,6 @@ def table(summaries: dict[str, dict]) -> str:
 
 
 def run_experiment(cfg: ExperimentConfig) -> dict:
-    from engine.models.embedded import resolve_model_path
-
     model_dir = resolve_model_path(cfg.model)
     tok = load_tokenizer(model_dir)
     out = Path(cfg.out_dir)
@@ -156,22 +156,11 @@ def run_experiment(cfg: ExperimentConfig) -> dict:
     return doc
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/pd_vs_colocated.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = ExperimentConfig(out_dir="")
+def add_shared_args(p: argparse.ArgumentParser, d: ExperimentConfig | Any) -> None:
+    """The flags this experiment and loadtest/goodput.py both take (`d`: a config holding the defaults):
+    where to write, the model, how the services start (threads, modes, pd-local's bounds), the seed."""
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--model", default="", help="HF model directory (default: the embedded model)")
-    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load per mode")
-    p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
-                   help="decode-stream requests kept in flight")
-    p.add_argument("--decode-input-len", type=int, default=d.decode_input_len,
-                   help="decode-stream prompt tokens")
-    p.add_argument("--decode-output-len", type=int, default=d.decode_output_len,
-                   help="decode-stream output tokens")
-    p.add_argument("--long-rate", type=float, default=d.long_rate, help="long prompts per second (Poisson)")
-    p.add_argument("--long-input-len", type=int, default=d.long_input_len, help="long prompt tokens")
-    p.add_argument("--long-output-len", type=int, default=d.long_output_len, help="long-prompt output tokens")
     p.add_argument("--threads", type=int, default=d.threads_per_worker,
                    help="torch threads per PD worker (colocated gets twice this; default: this machine's CPUs // 2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
@@ -183,18 +172,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-prefill-budget", type=int, default=d.local_prefill_budget,
                    help="pd-local: prompt tokens the decode's local prefills may add to one step")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
+
+
+def shared_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields of the flags `add_shared_args` declared, by name."""
+    return dict(out_dir=args.out, model=args.model, threads_per_worker=args.threads,
+                modes=tuple(m for m in args.modes.split(",") if m), seed=args.seed,
+                local_prefill_threshold=args.local_prefill_threshold,
+                local_prefill_max_running=args.local_prefill_max_running,
+                local_prefill_budget=args.local_prefill_budget)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks/pd_vs_colocated.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ExperimentConfig(out_dir="")
+    add_shared_args(p, d)
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load per mode")
+    p.add_argument("--decode-concurrency", type=int, default=d.decode_concurrency,
+                   help="decode-stream requests kept in flight")
+    p.add_argument("--decode-input-len", type=int, default=d.decode_input_len,
+                   help="decode-stream prompt tokens")
+    p.add_argument("--decode-output-len", type=int, default=d.decode_output_len,
+                   help="decode-stream output tokens")
+    p.add_argument("--long-rate", type=float, default=d.long_rate, help="long prompts per second (Poisson)")
+    p.add_argument("--long-input-len", type=int, default=d.long_input_len, help="long prompt tokens")
+    p.add_argument("--long-output-len", type=int, default=d.long_output_len, help="long-prompt output tokens")
     args = p.parse_args(argv)
     try:
-        cfg = ExperimentConfig(out_dir=args.out, model=args.model, duration_s=args.duration,
+        cfg = ExperimentConfig(**shared_fields(args), duration_s=args.duration,
                                decode_concurrency=args.decode_concurrency,
                                decode_input_len=args.decode_input_len,
                                decode_output_len=args.decode_output_len, long_rate=args.long_rate,
-                               long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-                               threads_per_worker=args.threads, seed=args.seed,
-                               local_prefill_threshold=args.local_prefill_threshold,
-                               local_prefill_max_running=args.local_prefill_max_running,
-                               local_prefill_budget=args.local_prefill_budget,
-                               modes=tuple(m for m in args.modes.split(",") if m))
+                               long_input_len=args.long_input_len, long_output_len=args.long_output_len)
     except ValueError as e:
         print(f"pd_vs_colocated: {e}", file=sys.stderr)
         return 2
@@ -202,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     print(table(doc["summaries"]))
     failed = sum(s["all"]["failed"] for s in doc["summaries"].values())
     return 0 if failed == 0 else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

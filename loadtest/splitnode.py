@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.cpus import threads_per_worker
+from engine.models.embedded import resolve_model_path
 from loadtest import promtext
 from loadtest.netns import Netns, NetnsConfig, Shaping
 from loadtest.services import ALWAYS_PD
@@ -246,8 +247,6 @@ def check(cfg: SplitNodeConfig, bench: dict, before: dict, after: dict, bytes_pe
 
 
 def run(cfg: SplitNodeConfig) -> dict:
-    from engine.models.embedded import resolve_model_path
-
     model_dir = resolve_model_path(cfg.model)
     bpt = kv_bytes_per_token(model_dir, cfg.dtype)
     with Netns(NetnsConfig(prefix=cfg.prefix, nodes=("rtr", "pre", "dec"), shaping=cfg.shaping)) as net:

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
@@ -147,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-per-token", type=float, default=0.0, help="extra TTFT seconds per prompt word")
     p.add_argument("--fail-every", type=int, default=0, help="every Nth request fails with HTTP 500")
     args = p.parse_args(argv)
-    import uvicorn
 
     try:
         cfg = StandinConfig(args.ttft, args.itl, args.prefill_per_token, fail_every=args.fail_every)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from engine.models.embedded import resolve_model_path
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -48,8 +50,6 @@ class SyntheticConfig:
 def load_tokenizer(model_dir: str | Path | None) -> Tokenizer:
     """tokenizer.json of an HF directory; None -> the embedded model (converted once if needed)."""
     if model_dir is None:
-        from engine.models.embedded import resolve_model_path
-
         model_dir = resolve_model_path("")
     path = Path(model_dir) / "tokenizer.json"
     if not path.exists():

@@ -16,6 +16,12 @@
    serving. With --restart never the first exit stops everything and exits 1.
 5. On Ctrl-C / SIGTERM: stop the router, then the workers (SIGTERM, SIGKILL after --grace seconds),
    exit 0.
+
+Worker flags are not declared here: every flag of `pdserve prefill` and `pdserve decode` that `pdserve up`
+does not set itself (ports, placement, tokens) is generated from the same config fields (the "worker:"
+groups below) and, when given, passed on to each worker that takes it: a flag both roles take goes to both
+(--speculative: a PD pair must agree), a decode's own (--local-prefill-threshold) to the decodes only.
+--worker-args, --prefill-args and --decode-args pass flags as written (the role's win over the others).
 """
 
 from __future__ import annotations
@@ -28,63 +34,64 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+import torch  # a hard dependency, loaded anyway by the worker flags' declarations (service.config)
 
-from common.configs import build
+from common.configs import Spec, add_flags, build, option, specs, to_argv
 from common.http import TOKEN_HEADER
 from common.logs import add_observability_args
 from common.procs import Child, free_port, http_ok, stop_all
-from engine.config import EMBEDDED_MODEL
 from engine.cpus import cpu_budget, threads_per_worker
 from pdserve.supervise import POLICIES, Supervisor
-from service.lora_args import add_lora_args, lora_flags
+from service.config import PD_ROLES, server_specs
+
+# worker flags `pdserve up` sets itself (by these dests), never passed on from its own command line
+UP_SETS = ("host", "port", "device", "threads", "tp", "tp_devices", "dist_init_addr", "nnodes", "node_rank",
+           "internal_token_file", "bootstrap_port", "advertise_host")
 
 
 @dataclass(frozen=True)
 class UpConfig:
-    """`pdserve up`'s flags, built from the parsed flags by name (each field is a flag's dest; the
-    parser's defaults are these). Validation raises ValueError naming the flag."""
+    """`pdserve up`'s own flags (each field declares its flag), built from the parsed flags by name, and the
+    worker flags given (`workers`, by dest). Validation raises ValueError naming the flag."""
 
-    prefill: int = 1
-    decode: int = 1
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = EMBEDDED_MODEL
-    device: str = "auto"
-    max_total_tokens: int | None = None
-    transfer_backend: str = "ucx"
-    prefill_policy: str = "least_load"
-    decode_policy: str = "least_load"
-    api_key_file: str | None = None
-    threads: int = 0
-    worker_args: str = ""
-    prefill_args: str = ""
-    decode_args: str = ""
-    enable_priority_scheduling: bool = False  # passed to every worker (engine.scheduling.priority)
-    schedule_low_priority_values_first: bool = False
-    hicache_host_tokens: int = 0  # passed to every worker (engine/kvcache/hicache); 0: off
-    hicache_write_policy: str = "write_back"
-    hicache_dir: str = ""
-    hicache_disk_bytes: int = 1 << 30
-    speculative: str = ""  # passed to every worker (engine/extras/speculative); "": off
-    num_speculative_tokens: int = 4
-    draft_model: str = ""
-    lora_paths: tuple[str, ...] = ()  # passed to every worker (engine/extras/lora, service/lora_args.py)
-    max_loaded_loras: int = 0
-    max_lora_rank: int = 64
-    max_loras_per_batch: int = 8
-    otlp_endpoint: str = ""
+    prefill: int = option(1, "number of prefill services")
+    decode: int = option(1, "number of decode services")
+    prefill_tp: int = option(1, "tensor-parallel ranks of each prefill service (its --tp: one process per rank; on "
+                             "cuda each rank takes its own GPU)")
+    decode_tp: int = option(1, "tensor-parallel ranks of each decode service (its --tp); may differ from "
+                            "--prefill-tp")
+    host: str = option("127.0.0.1", "router bind address (workers bind 127.0.0.1)")
+    port: int = option(8000, "router port")
+    device: str = option("auto", "cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker")
+    prefill_policy: str = option("least_load", "router policy for prefill workers")
+    decode_policy: str = option("least_load", "router policy for decode workers")
+    api_key_file: str | None = option(None, "client API keys for the router (one per line)")
+    threads: int = option(
+        0, "torch CPU threads per worker rank (0: divide this machine's CPUs among the ranks, max(1, CPUs // "
+        "(prefill * prefill_tp + decode * decode_tp)), CPUs from the affinity mask capped by the cgroup quota; not "
+        "passed when the workers compute on a GPU)")
+    worker_args: str = option("", "extra flags for every worker, one shell-quoted string")
+    prefill_args: str = option("", "extra flags for the prefill workers only, one shell-quoted string")
+    decode_args: str = option("", "extra flags for the decode workers only, one shell-quoted string (e.g. "
+                              "'--local-prefill-threshold 0' to disaggregate every prompt)")
+    otlp_endpoint: str = ""  # common.logs' flags: passed to the router and every worker
     log_format: str = "text"
-    startup_timeout: float = 900.0
-    grace: float = 10.0
-    restart: str = "on-failure"
-    log_dir: str | None = None
-    worker_cmd: str = f"{shlex.quote(sys.executable)} -m pdserve"
+    startup_timeout: float = option(900.0, "seconds to wait for everything to be healthy")
+    grace: float = option(10.0, "seconds between SIGTERM and SIGKILL when stopping")
+    restart: str = option(
+        "on-failure", "on-failure: restart a child (worker or router) that exits non-zero, with backoff 1, 2, 4 ... "
+        "30 s (reset after 60 s up), same flags and ports; never: the first exit stops everything (exit 1)",
+        choices=POLICIES)
+    log_dir: str | None = option(None, "where the children's logs go (default: a new temp dir)")
+    worker_cmd: str = option(f"{shlex.quote(sys.executable)} -m pdserve", "command that runs a worker, followed by "
+                             "its role and flags (default: this python -m pdserve)")
+    workers: Mapping[str, Any] = field(default_factory=dict)  # the worker flags given, by dest
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -95,97 +102,35 @@ class UpConfig:
             raise ValueError("--threads must be >= 0 (0: divide the CPUs among the workers)")
 
 
+def worker_specs() -> list[Spec]:
+    """The worker flags `pdserve up` takes: every prefill and decode flag it does not set itself, each once,
+    with no parser default (a flag not given is absent and left to the worker's own default)."""
+    seen: dict[str, Any] = {}
+    for role in PD_ROLES:
+        for s in server_specs(role, default=argparse.SUPPRESS):
+            if s.dest not in UP_SETS:
+                seen.setdefault(s.dest, s)
+    return list(seen.values())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = UpConfig()
-    p = argparse.ArgumentParser(
-        prog="pdserve up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill services")
-    p.add_argument("--decode", type=int, default=d.decode, help="number of decode services")
-    p.add_argument("--prefill-tp", type=int, default=d.prefill_tp,
-                   help="tensor-parallel ranks of each prefill service (its --tp: one process per rank; on cuda "
-                        "each rank takes its own GPU)")
-    p.add_argument("--decode-tp", type=int, default=d.decode_tp,
-                   help="tensor-parallel ranks of each decode service (its --tp); may differ from --prefill-tp")
-    p.add_argument("--host", default=d.host, help="router bind address (workers bind 127.0.0.1)")
-    p.add_argument("--port", type=int, default=d.port, help="router port")
-    p.add_argument("--model", default=d.model, help="model for every worker (see pdserve prefill --help)")
-    p.add_argument(
-        "--device", default=d.device, help="cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker"
-    )
-    p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="KV pool size in tokens per worker")
-    p.add_argument("--transfer-backend", default=d.transfer_backend, choices=("ucx", "fake"),
-                   help="KV transfer backend")
-    p.add_argument("--prefill-policy", default=d.prefill_policy, help="router policy for prefill workers")
-    p.add_argument("--decode-policy", default=d.decode_policy, help="router policy for decode workers")
-    p.add_argument("--api-key-file", default=d.api_key_file, help="client API keys for the router (one per line)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=d.threads,
-        help="torch CPU threads per worker rank (0: divide this machine's CPUs among the ranks, "
-        "max(1, CPUs // (prefill * prefill_tp + decode * decode_tp)), CPUs from the affinity mask capped by "
-        "the cgroup quota; not passed when the workers compute on a GPU)",
-    )
-    p.add_argument("--worker-args", default=d.worker_args, help="extra flags for every worker, one shell-quoted string")
-    p.add_argument("--prefill-args", default=d.prefill_args,
-                   help="extra flags for the prefill workers only, one shell-quoted string")
-    p.add_argument(
-        "--decode-args",
-        default=d.decode_args,
-        help="extra flags for the decode workers only, one shell-quoted string "
-        "(e.g. '--local-prefill-threshold 0' to disaggregate every prompt)",
-    )
-    p.add_argument("--enable-priority-scheduling", action="store_true",
-                   help="every worker orders waiting requests by their 'priority' and lets urgent ones preempt "
-                        "less urgent running ones (see pdserve colocated --help); the router forwards 'priority'")
-    p.add_argument("--schedule-low-priority-values-first", action="store_true",
-                   help="with --enable-priority-scheduling: a lower 'priority' value is more urgent")
-    p.add_argument("--hicache-host-tokens", type=int, default=d.hicache_host_tokens,
-                   help="every worker keeps evicted prefix-cache pages in a host tier of this many tokens "
-                        "(0: off; see pdserve colocated --help)")
-    p.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=("write_back", "write_through"),
-                   help="with --hicache-host-tokens: when pages are copied to the host (see pdserve colocated --help)")
-    p.add_argument("--hicache-dir", default=d.hicache_dir,
-                   help="with --hicache-host-tokens: disk tier directory (each worker keeps its own subdirectory)")
-    p.add_argument("--hicache-disk-bytes", type=int, default=d.hicache_disk_bytes,
-                   help="with --hicache-dir: each worker's disk tier bound in bytes")
-    p.add_argument("--speculative", default=d.speculative, choices=("ngram", "draft"),
-                   help="speculative decoding on every decode (prefills get it too: the pair must agree); "
-                        "ngram or draft (see pdserve decode --help; --ngram-min/--ngram-max and the switch-off "
-                        "flags go in --worker-args)")
-    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-                   help="with --speculative: tokens proposed per step")
-    p.add_argument("--draft-model", default=d.draft_model, help="with --speculative draft: the draft model directory")
-    add_lora_args(p)  # passed to every worker
+    """`pdserve up`'s parser: its own flags, the observability flags, then the workers' (generated)."""
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(p, list(specs(UpConfig)))
     add_observability_args(p)  # --otlp-endpoint, --log-format: passed to the router and every worker
-    p.add_argument(
-        "--startup-timeout", type=float, default=d.startup_timeout, help="seconds to wait for everything to be healthy"
-    )
-    p.add_argument(
-        "--grace", type=float, default=d.grace, help="seconds between SIGTERM and SIGKILL when stopping"
-    )
-    p.add_argument(
-        "--restart",
-        default=d.restart,
-        choices=POLICIES,
-        help="on-failure: restart a child (worker or router) that exits non-zero, with backoff 1, 2, 4 ... 30 s "
-        "(reset after 60 s up), same flags and ports; never: the first exit stops everything (exit 1)",
-    )
-    p.add_argument("--log-dir", default=d.log_dir, help="where the children's logs go (default: a new temp dir)")
-    p.add_argument(
-        "--worker-cmd",
-        default=d.worker_cmd,
-        help="command that runs a worker, followed by its role and flags (default: this python -m pdserve)",
-    )
+    add_flags(p, worker_specs(), title_prefix="worker: ")
     return p
+
+
+def config_from_args(ns: argparse.Namespace) -> UpConfig:
+    """UpConfig from the parsed flags by name; the worker flags given go to `workers`."""
+    return build(UpConfig, ns, workers={s.dest: getattr(ns, s.dest) for s in worker_specs() if hasattr(ns, s.dest)})
 
 
 def _devices(device: str, n: int) -> list[str]:
     if device != "cuda":
         return [device] * n
-    import torch
-
     count = torch.cuda.device_count()
     return [f"cuda:{i % count}" if count > 1 else "cuda" for i in range(n)]
 
@@ -207,8 +152,6 @@ def _tp_flags(device: str, tps: list[int]) -> list[list[str]]:
 
 def _uses_gpu(device: str) -> bool:
     if device == "auto":
-        import torch
-
         return torch.cuda.is_available()
     return device.startswith("cuda")
 
@@ -229,22 +172,9 @@ def _observability_flags(a: UpConfig) -> list[str]:
     return flags + ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else flags
 
 
-def _hicache_flags(a: UpConfig) -> list[str]:
-    """The --hicache-* flags every worker gets (none while the host tier is off)."""
-    if not a.hicache_host_tokens:
-        return ["--hicache-dir", a.hicache_dir] if a.hicache_dir else []  # the worker refuses it, naming the flag
-    out = ["--hicache-host-tokens", str(a.hicache_host_tokens), "--hicache-write-policy", a.hicache_write_policy,
-           "--hicache-disk-bytes", str(a.hicache_disk_bytes)]
-    return out + (["--hicache-dir", a.hicache_dir] if a.hicache_dir else [])
-
-
-def _spec_flags(a: UpConfig) -> list[str]:
-    """The speculative-decoding flags every worker gets (none while off; a stray --draft-model is passed so
-    the worker refuses it, naming the flag)."""
-    out = ["--draft-model", a.draft_model] if a.draft_model else []
-    if not a.speculative:
-        return out
-    return out + ["--speculative", a.speculative, "--num-speculative-tokens", str(a.num_speculative_tokens)]
+def role_flags(a: UpConfig, role: str) -> list[str]:
+    """The worker flags given to `pdserve up` that a `role` worker takes, as its command-line words."""
+    return to_argv(server_specs(role), a.workers)
 
 
 def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
@@ -258,13 +188,6 @@ def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child
     signal in the middle still leaves every started child in the list."""
     base = shlex.split(a.worker_cmd)
     extra = shlex.split(a.worker_args) + _observability_flags(a)
-    if a.max_total_tokens:
-        extra += ["--max-total-tokens", str(a.max_total_tokens)]
-    extra += [f for f, on in (("--enable-priority-scheduling", a.enable_priority_scheduling),
-                              ("--schedule-low-priority-values-first", a.schedule_low_priority_values_first)) if on]
-    extra += _hicache_flags(a)
-    extra += _spec_flags(a)
-    extra += lora_flags(a)
     threads = worker_threads(a, extra)
     if threads is not None:
         extra += ["--threads", str(threads)]
@@ -276,25 +199,13 @@ def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child
     router_workers: list[str] = []
     for i, (role, placement) in enumerate(zip(roles, _tp_flags(a.device, tps))):
         port = free_port()
-        argv = [
-            *base,
-            role,
-            "--port",
-            str(port),
-            "--model",
-            a.model,
-            *placement,
-            "--internal-token-file",
-            str(token_file),
-            *extra,
-        ]
-        argv += shlex.split(a.prefill_args if role == "prefill" else a.decode_args)
+        argv = [*base, role, "--port", str(port), *placement, "--internal-token-file", str(token_file), *extra,
+                *role_flags(a, role), *shlex.split(a.prefill_args if role == "prefill" else a.decode_args)]
         if role == "prefill":
             bootstrap_port = free_port()
-            argv += ["--bootstrap-port", str(bootstrap_port), "--transfer-backend", a.transfer_backend]
+            argv += ["--bootstrap-port", str(bootstrap_port)]
             router_workers += ["--prefill", f"http://127.0.0.1:{port},bootstrap_port={bootstrap_port}"]
         else:
-            argv += ["--transfer-backend", a.transfer_backend]
             router_workers += ["--decode", f"http://127.0.0.1:{port}"]
         index = i if role == "prefill" else i - a.prefill
         workers.append(_spawn(f"{role}-{index}", argv, f"http://127.0.0.1:{port}", log_dir))
@@ -381,7 +292,7 @@ def _on_signal(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        a = build(UpConfig, build_parser().parse_args(argv))
+        a = config_from_args(build_parser().parse_args(argv))
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ Queues of one request (a room):
              them by count and hash; if they hash as this prompt's, those pages are never sent
              (Room.first_page), else the TransferInfo is refused and the decode asks again, whole
   waiting    the decode is ready; prompt chunks run in extend batches under the token budget, in
-             the --schedule-policy order (sjf: shortest prompt first, aging bound), each new prompt
+             the waiting order (engine.scheduling.policy: --schedule-policy, sjf by default:
+             shortest prompt first, aging bound; then priority when enabled), each new prompt
              taking its longest cached prefix's pages (locked until the room ends), and after each
              chunk the pages it completed are sent (they move on the transfer progress thread while
              the next chunk computes; with --tp > 1 they are first gathered from the ranks into
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.distributed import tp_runner
 from engine.distributed.tp_kv import gather
 from engine.extras.features import to_meta
 from engine.forward.batch import ExtendItem
@@ -46,9 +48,10 @@ from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
 from engine.kvcache.kv_manager import KVManager
 from engine.request import FinishReason, Req
-from engine.scheduling import priority
 from engine.scheduling.lifecycle import Outbox, finish_request
-from engine.scheduling.scheduler import ExtendPlanner, make_executor, order_waiting
+from engine.scheduling.planner import ExtendPlanner
+from engine.scheduling.policy import waiting_order
+from engine.scheduling.scheduler import make_executor
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -89,9 +92,9 @@ class PrefillRole:
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]:
-        req, bad = pd_request(msg, self.kv, "prefill", self.cfg.chunked_prefill_size)
-        if req is None:
-            return [bad]  # type: ignore[list-item]
+        req = pd_request(msg, self.kv, "prefill", self.cfg.chunked_prefill_size)
+        if isinstance(req, m.TokenOut):  # its prompt can never fit here: a 400
+            return [req]
         try:
             sender = self.mgr.create_sender(req.pd.room, req.input_ids, req.cache_namespace)
         except TransferError as e:
@@ -109,6 +112,9 @@ class PrefillRole:
             if room.req.matches(msg.rid, msg.room, msg.abort_all):
                 room.sender.abort(msg.reason or "aborted")
                 self._end(room, FinishReason.ABORT, msg.reason or "aborted", 499)
+
+    def close_session(self, session_id: str) -> None:
+        """PD services refuse sessions (400): nothing is pinned here."""
 
     # ---- one iteration ------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -131,11 +137,9 @@ class PrefillRole:
         return [token_out(r) for r in self.outbox.drain()]
 
     def _schedule(self) -> list[ExtendItem]:
-        """This step's prompt chunks, in --schedule-policy order, their pages allocated."""
-        order = order_waiting([room.req for room in self.waiting], self.cfg.schedule_policy,
-                              self.cfg.schedule_aging_s, time.monotonic(), self.kv.prefix_len)
-        if self.cfg.enable_priority_scheduling:  # the most urgent prompts first (engine.scheduling.priority)
-            order = priority.order(order, self.cfg, time.monotonic())
+        """This step's prompt chunks, in the waiting order (--schedule-policy, then priority:
+        engine.scheduling.policy.waiting_order), their pages allocated."""
+        order = waiting_order([room.req for room in self.waiting], self.cfg, time.monotonic(), self.kv.prefix_len)
         items = self.planner.plan(order)
         self.blocked = bool(self.waiting) and not items
         return items
@@ -284,7 +288,8 @@ def _trace_chunks(items: list[ExtendItem], t0: int, t1: int) -> None:
                    last=it.completes_prompt, batch_requests=len(items))
 
 
-def run_prefill_worker(cfg: ServerConfig, make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
+def run_prefill_worker(cfg: ServerConfig,
+                       make_runner: Callable[[EngineConfig], ModelRunner] = tp_runner.make_runner) -> None:
     """The prefill worker process; `make_runner` builds the model runner (tests pass a wrapper)."""
     setup_process(cfg)
     runner = make_runner(cfg.engine)

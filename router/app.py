@@ -20,13 +20,12 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 
 from common import api_schema
 from common.api_requests import validate
 from router import lora
-from router.asgi import ProxyEndpoints, auth_error, parse_json
+from router.asgi import ProxyEndpoints, parse_json
+from router.auth import authorized
 from router.client import WorkerClient
 from router.config import RouterConfig, WorkerSpec
 from router.discovery_k8s import K8sDiscovery
@@ -96,11 +95,6 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, status), status_code=status)
 
 
-def _authorized(cfg: RouterConfig, request: Request) -> JSONResponse | None:
-    denied = auth_error(cfg, request.headers.get("authorization", ""))
-    return None if denied is None else _error(401, denied)
-
-
 async def _read_json(request: Request):
     return parse_json(await request.body())
 
@@ -122,7 +116,7 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
 
     @app.get("/v1/models", responses=api_schema.errors(401, 503))
     async def models(request: Request) -> Response:
-        if denied := _authorized(cfg, request):
+        if denied := authorized(cfg, request):
             return denied
         decodes = st.registry.eligible("decode")
         if any(w.loras for w in decodes):  # LoRA: every decode's adapters in one list (router/lora.py)
@@ -163,29 +157,12 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
     async def metrics() -> Response:
         return PlainTextResponse(st.metrics.render(st.registry), media_type="text/plain; version=0.0.4")
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        """FastAPI's own 404/405 in the error model; a 405's Allow lists every method of the path."""
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:
-            headers["Allow"] = ", ".join(_methods(app, request.scope))
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), exc.status_code, headers)
-
+    api_schema.install_http_errors(app)  # 404/405 in the error model, a 405 with its Allow
     _add_admin_routes(app, cfg, st)
     add_session_routes(app)  # refused with a 400 (PD keeps no sessions)
     add_embeddings_route(app, cfg, st)  # POST /v1/embeddings to --embeddings-pool (router/embeddings.py)
     _add_api_docs(app)
     return ProxyEndpoints(app, st)
-
-
-def _methods(app: FastAPI, scope: dict) -> list[str]:
-    """The methods the app's routes take at the request's path (Starlette's 405 names only the first
-    route's)."""
-    found: list[str] = []
-    for route in app.router.routes:
-        if route.matches(scope)[0] != Match.NONE:
-            found += [m for m in sorted(getattr(route, "methods", None) or ()) if m not in found]
-    return found
 
 
 def _add_api_docs(app: FastAPI) -> None:
@@ -203,7 +180,7 @@ def _add_api_docs(app: FastAPI) -> None:
 def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
     @app.get("/admin/workers", responses=api_schema.errors(401))
     async def list_workers(request: Request) -> Response:
-        if denied := _authorized(cfg, request):
+        if denied := authorized(cfg, request):
             return denied
         return JSONResponse({"workers": [w.to_json() for w in st.registry.all()]})
 
@@ -219,7 +196,7 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
     @app.post("/admin/workers", responses=api_schema.errors(400, 401, 409),
               openapi_extra=api_schema.body_docs(api_schema.AddWorkerRequest))
     async def add_worker(request: Request) -> Response:
-        if denied := _authorized(cfg, request) or _single_process():
+        if denied := authorized(cfg, request) or _single_process():
             return denied
         try:
             add = validate(api_schema.AddWorkerRequest, await _read_json(request))  # the documented body
@@ -232,7 +209,7 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
 
     @app.delete("/admin/workers", responses=api_schema.errors(401, 404, 409))
     async def remove_worker(request: Request, url: str = "") -> Response:
-        if denied := _authorized(cfg, request) or _single_process():
+        if denied := authorized(cfg, request) or _single_process():
             return denied
         w = st.registry.remove(url) if url else None
         if w is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -26,7 +25,7 @@ import orjson
 
 from common import tracing
 from router import reqlog, spans
-from router.config import RouterConfig
+from router.auth import auth_error
 from router.protocol import ENDPOINTS, BadRequest, error_body, parse_request
 from router.proxy import ClientGone, ProxyError
 
@@ -36,19 +35,6 @@ Send = Callable[[dict], Awaitable[None]]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _JSON = b"application/json"
 _END = {"type": "http.response.body", "body": b"", "more_body": False}
-
-
-def auth_error(cfg: RouterConfig, authorization: str) -> str | None:
-    """Why a request with this Authorization header is refused (401), or None when it may pass."""
-    if not cfg.api_keys:
-        return None
-    scheme, _, key = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return "missing API key: send 'Authorization: Bearer <key>'"
-    key = key.strip()
-    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in cfg.api_keys):
-        return "invalid API key"
-    return None
 
 
 def parse_json(raw: bytes):

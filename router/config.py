@@ -1,5 +1,6 @@
 """Router configuration: one frozen `RouterConfig`, built once in `main` from CLI flags and an optional
-YAML file, then passed explicitly. Validation raises ValueError naming the flag.
+YAML file, then passed explicitly. Each field declares its flag (common.configs.option: help, choices;
+router.main generates the parser from them). Validation raises ValueError naming the flag.
 
 Worker flag syntax: `--prefill http://host:port[,bootstrap_port=N]`, `--decode http://host:port`.
 YAML file (`--config`), every key optional, flags given on the command line win over it:
@@ -16,13 +17,14 @@ YAML file (`--config`), every key optional, flags given on the command line win 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
 from common.checks import need
+from common.configs import nested, option
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 WORKER_ROLES = ("prefill", "decode")
@@ -55,14 +57,15 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class K8sConfig:
-    """Kubernetes pod discovery (enabled when `selector` is set)."""
+    """Kubernetes pod discovery (enabled when `selector` is set); its flags are RouterConfig's, `--k8s-*`."""
 
-    selector: str = ""
-    namespace: str = "default"
-    api_server: str = ""  # "" = in-cluster, from KUBERNETES_SERVICE_HOST/PORT
-    role_label: str = "pdserve.io/role"
-    bootstrap_port_annotation: str = "pdserve.io/bootstrap-port"
-    worker_port: int = 30000
+    selector: str = option("", "discover worker pods by this label selector")
+    namespace: str = option("default", "namespace of the worker pods")
+    api_server: str = option("", "Kubernetes API URL (default: in-cluster, with the service account token)")
+    role_label: str = option("pdserve.io/role", "pod label holding the role (prefill/decode)")
+    bootstrap_port_annotation: str = option("pdserve.io/bootstrap-port", "pod annotation holding a prefill's "
+                                            "bootstrap port")
+    worker_port: int = option(30000, "HTTP port of the worker pods", name="--k8s-port")
     token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
@@ -77,30 +80,64 @@ class K8sConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: tuple[WorkerSpec, ...] = ()
-    prefill_policy: str = "least_load"
-    decode_policy: str = "least_load"
-    embeddings_pool: str = "prefill"  # POST /v1/embeddings goes to a worker of this role (router.embeddings)
-    request_timeout_s: float = 600.0  # per attempt; for streams: until the first token, then between events
+    """The router's settings; each field declares its flag (common.configs.option). The flags a --config file
+    may also set parse as None when not given (cli_default=None), so the file's value stays."""
+
+    host: str = option("127.0.0.1", "HTTP bind address")
+    port: int = option(8000, "HTTP port")
+    workers: tuple[WorkerSpec, ...] = ()  # --prefill / --decode (router.main), or the --config file's
+    prefill_policy: str = option("least_load", "how a prefill worker is picked (default {default})", choices=POLICIES,
+                                 cli_default=None)
+    decode_policy: str = option("least_load", "how a decode worker is picked (default {default})", choices=POLICIES,
+                                cli_default=None)
+    embeddings_pool: str = option(
+        "prefill", "POST /v1/embeddings is forwarded, body untouched, to the least loaded healthy worker of this pool "
+        "(default {default}): a forward without generation, like a prefill's", choices=WORKER_ROLES,
+        cli_default=None)  # router.embeddings
+    cache_threshold: float = option(
+        0.3, "cache_aware: a worker wins on its prefix tree when that tree holds at least this share of the prompt "
+        "(default {default:g}); below it, the least loaded worker", cli_default=None)
+    cache_tree_chars: int = option(
+        4_000_000, "cache_aware: prompt characters remembered per worker, least recently routed dropped first "
+        "(default {default})", cli_default=None)
+    balance_abs_threshold: int = option(
+        4, "cache_aware: fall back to least_load when the chosen worker has this many more outstanding requests "
+        "than the least loaded one (default {default}) ...", cli_default=None)
+    balance_rel_threshold: float = option(1.5, "... and more than this multiple of its requests (default "
+                                          "{default:g})", cli_default=None)
+    local_prefill_queue_tokens: int = option(
+        0, "conditional disaggregation: when the picked prefill already has this many prompt tokens outstanding, "
+        "ask the decode to prefill the request itself (it does when it has room; a decode that does not know the "
+        "hint ignores it). Default {default} (0: never)", cli_default=None)
+    k8s: K8sConfig = nested(K8sConfig, "k8s_")
+    api_keys: frozenset[str] = option(frozenset(), "file with client API keys, one per line; when set, requests need "
+                                      "'Authorization: Bearer'", name="--api-key-file", dest="api_key_file",
+                                      cli_default=None)  # empty = no client auth
+    internal_token: str | None = option(None, "file with the token sent to workers in header x-pdserve-token",
+                                        name="--internal-token-file", dest="internal_token_file")
+    request_timeout_s: float = option(
+        600.0, "seconds per attempt; streams: until the first token and between events (default {default:g})",
+        name="--request-timeout", cli_default=None)
     connect_timeout_s: float = 5.0
-    max_retries: int = 2  # extra attempts on another pair when a side fails before the first token
-    migration_limit: int = 2  # times a completions/chat stream may move to another pair mid-stream
-    local_prefill_queue_tokens: int = 0  # ask the decode to prefill when the prefill has this many queued; 0 off
-    health_interval_s: float = 2.0
-    health_failures: int = 3  # consecutive failures (probes or requests) that eject a worker
-    worker_wait_s: float = 15.0  # a request waits this long for an eligible worker of a role, then 503
-    api_keys: frozenset[str] = frozenset()  # empty = no client auth
-    internal_token: str | None = None  # sent to workers in header x-pdserve-token
-    cache_threshold: float = 0.3  # cache_aware: least share of the prompt a worker's tree must hold
-    cache_tree_chars: int = 4_000_000  # cache_aware: prompt characters remembered per worker (LRU)
-    balance_abs_threshold: int = 4  # cache_aware falls back to load when the gap exceeds both
-    balance_rel_threshold: float = 1.5
-    k8s: K8sConfig = field(default_factory=K8sConfig)
-    log_level: str = "info"
+    max_retries: int = option(2, "extra attempts on another pair when a side fails before the first token "
+                              "(default {default})", cli_default=None)
+    migration_limit: int = option(
+        2, "times a streamed completions/chat request whose decode fails after tokens were streamed is moved to "
+        "another prefill/decode pair, with the prompt plus the tokens so far, continuing the client's stream "
+        "(default {default}; 0: end the stream with an error event)", cli_default=None)
+    health_interval_s: float = option(2.0, "seconds between health probes (default {default:g})",
+                                      name="--health-interval", cli_default=None)
+    health_failures: int = option(
+        3, "consecutive failures that eject a worker (default {default}); failed requests alone never eject the "
+        "last eligible worker of a role, only failed health probes do", cli_default=None)
+    worker_wait_s: float = option(
+        15.0, "seconds a request waits for an eligible worker of a role when none is, before it gets a 503 with "
+        "Retry-After (default {default:g}; 0: answer 503 at once)", name="--worker-wait", cli_default=None)
+    processes: int = option(
+        1, "router processes sharing the port (default {default}); each keeps its own worker health, load counts "
+        "and metrics, and /admin/workers cannot change workers when > 1", name="--workers", cli_default=None)
+    log_level: str = option("info", "debug, info, warning or error")
     request_log: bool = False  # one JSON line per finished request (--log-format json), router.reqlog
-    processes: int = 1  # router processes sharing the port (--workers); each keeps its own state
 
     def __post_init__(self) -> None:
         need(0 <= self.port < 65536, "--port must be in 0..65535")

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from common import api_embeddings
+from router.auth import authorized
 from router.protocol import error_body
 
 log = logging.getLogger("router.embeddings")
@@ -22,11 +23,9 @@ log = logging.getLogger("router.embeddings")
 
 def add_embeddings_route(app: FastAPI, cfg: Any, st: Any) -> None:
     """The route on the router's FastAPI app (`cfg`: RouterConfig, `st`: router.app.RouterState)."""
-    from router.app import _authorized
-
     @app.post("/v1/embeddings", **api_embeddings.route_docs(400, 401, 500, 503, 504))
     async def embeddings(request: Request) -> Response:
-        if denied := _authorized(cfg, request):
+        if denied := authorized(cfg, request):
             return denied
         body = await request.body()
         tried: set[str] = set()

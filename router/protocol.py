@@ -1,8 +1,11 @@
 """Request/response shapes the router touches: validating client bodies, adding the bootstrap fields,
 merging prefill's input logprobs into decode's answer, error bodies and SSE events.
 
-The router forwards bodies as they are (the workers validate sampling parameters); it only checks
-what it needs itself: one prompt per request (a request is one bootstrap room), `stream` a bool.
+A client body is validated with the model the services parse it with and the OpenAPI document shows
+(common/api_requests.py: types, ranges, shapes, one message naming the field), so a body the router
+passes is one the services take, bar what only a worker knows (its vocabulary, its context length,
+grammars that compile). The router adds its own rules (sessions: a PD pair keeps none) and reads what it
+needs from the validated model: the prompt (for cache_aware and the load estimate), max tokens, n, stream.
 """
 
 from __future__ import annotations
@@ -12,24 +15,34 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.checks import is_int, need
+import orjson
+
+from common.api_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestInvalid,
+    validate,
+)
+from common.checks import need
 from common.http import (
     PREFILL_HERE_KEY,
     error_body,  # noqa: F401 (the router's modules import it from here)
 )
 
-ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+MODELS = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
+          "/v1/chat/completions": ChatCompletionRequest}
+ENDPOINTS = tuple(MODELS)
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
 CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
 LIST_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-ROUTING_KEY_MAX = 256
 
 
 class BadRequest(ValueError):
     """A client error; the message goes back in a 400 body."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built once per request on the hot path (a frozen init costs ~3x); never changed
 class ProxyRequest:
     endpoint: str
     body: dict
@@ -63,107 +76,63 @@ def _need(ok: bool, msg: str) -> None:  # common.checks.need, raising the router
     need(ok, msg, BadRequest)
 
 
-def _is_id_list(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(is_int(i) for i in x)
-
-
-def _prompt_of(endpoint: str, body: dict) -> str | list[int]:
-    if endpoint == "/v1/chat/completions":
-        msgs = body.get("messages")
-        _need(isinstance(msgs, list) and bool(msgs), "'messages' must be a non-empty list")
-        _need(
-            all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs),
-            "each message must be an object with a string 'role'",
-        )
-        return "".join(f"{m['role']}:{json.dumps(m.get('content'))}\n" for m in msgs)
-    if endpoint == "/v1/completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        _need(
-            isinstance(prompt, str) or _is_id_list(prompt),
-            "'prompt' must be a string or a list of token ids (one prompt per request)",
-        )
-        return prompt
-    text, ids = body.get("text"), body.get("input_ids")
-    if text is None and ids is None and isinstance(body.get("input_embeds"), list):
-        return ""  # issue 40: the workers check the embeddings (forwarded untouched); no prefix to route by
-    _need((text is None) != (ids is None), "give exactly one of 'text' and 'input_ids'")
-    _need(
-        isinstance(text, str) or _is_id_list(ids),
-        "'text' must be a string or 'input_ids' a list of token ids (one prompt per request)",
-    )
-    return text if text is not None else ids
-
-
-def _max_new_tokens(endpoint: str, body: dict) -> int:
-    if endpoint == "/generate":
-        sp = body.get("sampling_params") or {}  # null: none given
-        _need(isinstance(sp, dict), "'sampling_params' must be an object")
-        value = sp.get("max_new_tokens")
-        name = "sampling_params.max_new_tokens"
-    else:
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        value = body.get(name)
-    if value is None:
-        return DEFAULT_MAX_NEW_TOKENS
-    _need(
-        is_int(value) and value >= 0,
-        f"'{name}' must be a non-negative integer",
-    )
-    return value
-
-
 def parse_request(endpoint: str, body: Any) -> ProxyRequest:
-    """Validate what the router needs and build the ProxyRequest (BadRequest on client errors)."""
-    _need(isinstance(body, dict), "request body must be a JSON object")
-    stream = body.get("stream")
-    stream = False if stream is None else stream  # null: not given, as the document allows
-    _need(isinstance(stream, bool), "'stream' must be true or false")
-    prompt = _prompt_of(endpoint, body)
-    prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
-    prefix = _routing(body) or prefix
-    tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
-    if endpoint == "/generate":  # SGLang: logprob_start_len -1 (the default) asks for no prompt logprobs
-        start = body.get("logprob_start_len")
-        input_lp = bool(body.get("return_logprob")) and isinstance(start, int) and start >= 0
-    else:
-        input_lp = (
-            endpoint == "/v1/completions" and bool(body.get("echo")) and body.get("logprobs") is not None
-        )
-    return ProxyRequest(
-        endpoint=endpoint,
-        body=body,
-        stream=stream,
-        prefix=prefix,
-        prompt_tokens=tokens,
-        max_new_tokens=_max_new_tokens(endpoint, body),
-        input_logprobs=input_lp,
-        n=_choices(endpoint, body),
-    )
-
-
-def _routing(body: dict) -> str:
-    """The cache_aware policy's routing string of a request with a `routing_key` (a digest of the key
-    alone, so requests with one key land on one worker, issue 40), else "". Sessions are refused:
-    a PD pair does not keep a session's history (colocated services do)."""
+    """Validate `body` with the endpoint's request model and build the ProxyRequest (BadRequest on
+    client errors, with the services' message)."""
+    model = MODELS[endpoint]
+    try:
+        m = model.model_validate(body)  # the common case; a refused body goes through validate() for its message
+    except ValueError:
+        try:
+            m = validate(model, body)
+        except RequestInvalid as e:
+            raise BadRequest(str(e)) from None
     _need(body.get("session_params") is None,
           "'session_params': sessions are served by colocated services; a prefill/decode router does not keep "
           "them (send the whole history)")
-    key = body.get("routing_key")
+    prompt = _prompt_of(m, body)
+    prefix = prompt if isinstance(prompt, str) else ",".join(map(str, prompt))
+    tokens = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // CHARS_PER_TOKEN)
+    if endpoint == "/generate":  # SGLang: logprob_start_len -1 (the default) asks for no prompt logprobs
+        sp = m.sampling_params
+        max_new, n = sp and sp.max_new_tokens, (sp and sp.n) or 1
+        input_lp = bool(m.return_logprob) and m.logprob_start_len is not None and m.logprob_start_len >= 0
+    elif endpoint == "/v1/completions":
+        max_new, n = m.max_tokens, m.n or 1
+        input_lp = bool(m.echo) and m.logprobs is not None
+    else:
+        max_new = m.max_completion_tokens if m.max_completion_tokens is not None else m.max_tokens
+        n, input_lp = m.n or 1, False
+    return ProxyRequest(
+        endpoint=endpoint,
+        body=body,
+        stream=bool(m.stream),
+        prefix=_routing(m.routing_key) or prefix,
+        prompt_tokens=tokens,
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new,
+        input_logprobs=input_lp,
+        n=n,
+    )
+
+
+def _prompt_of(m: Any, body: dict) -> str | list[int]:
+    """The prompt as cache_aware routes by it: text, token ids, or the chat messages as role:content lines."""
+    if isinstance(m, ChatCompletionRequest):
+        return "".join(f"{msg['role']}:{orjson.dumps(msg.get('content')).decode()}\n" for msg in body["messages"])
+    if isinstance(m, CompletionRequest):
+        prompt = m.prompt
+        return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str | list) else prompt
+    if m.text is not None:
+        return m.text
+    return m.input_ids if m.input_ids is not None else ""  # input_embeds: no prefix to route by (issue 40)
+
+
+def _routing(key: str | None) -> str:
+    """The cache_aware policy's routing string of a request with a `routing_key` (a digest of the key
+    alone, so requests with one key land on one worker, issue 40), else ""."""
     if key is None:
         return ""
-    _need(isinstance(key, str) and 0 < len(key) <= ROUTING_KEY_MAX,
-          f"'routing_key' must be a non-empty string of at most {ROUTING_KEY_MAX} characters")
     return hashlib.sha256(key.encode()).hexdigest() * 4  # 256 characters: whole prefix-index blocks
-
-
-def _choices(endpoint: str, body: dict) -> int:
-    """The request's `n` as the router needs it (choices stream interleaved, so n > 1 streams are not
-    migrated); the services validate it (a bad n is their 400, relayed)."""
-    where = body.get("sampling_params") if endpoint == "/generate" else body
-    n = where.get("n") if isinstance(where, dict) else None
-    return n if is_int(n) and n > 1 else 1
 
 
 def merge_input_logprobs(endpoint: str, prefill: dict, decode: Any) -> Any:

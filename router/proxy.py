@@ -294,35 +294,59 @@ class Proxy:
             self.metrics.prefill_here.inc()
         return busy
 
-    async def _attempt_unary(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
-    ) -> tuple[int, bytes]:
+    async def _attempt(
+        self,
+        req: ProxyRequest,
+        p: Worker,
+        d: Worker,
+        room: int,
+        tp: str,
+        disconnected: Disconnected | None,
+        call_decode: Callable[[Worker, str, dict, int, str], Awaitable[Any]],
+        answer: Callable[[asyncio.Task, Any], Any],
+        abandoned: Callable[[asyncio.Task], None] | None = None,
+    ) -> Any:
+        """One attempt on the pair (P, D): P gets the prefill body and D the decode body at once
+        (`call_decode`: D's call, a JSON post or a stream's opening), both are awaited (_await_sides),
+        then `answer(p_task, D's result)` is the attempt's result. On any failure both calls are
+        cancelled (`abandoned` runs when D's call ends anyway) and the room is aborted on both sides;
+        on success P's call is kept until it ends (its transfer bookkeeping)."""
         host, port = p.bootstrap_host, p.bootstrap_port
         here = self._prefill_busy(p)
         p_task = asyncio.ensure_future(
             self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
-            self._post_json(
+            call_decode(
                 d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens, tp
             )
         )
         ok = False
         try:
             await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
-            res = d_task.result()
-            raw = res.raw
-            if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
-                raw = orjson.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))
+            out = answer(p_task, d_task.result())
             ok = True
-            return res.status, raw
+            return out
         finally:
             if ok:
                 self._keep(p_task)  # prefill may still be finishing its transfer bookkeeping
             else:
                 p_task.cancel()
                 d_task.cancel()
+                if abandoned is not None:
+                    d_task.add_done_callback(abandoned)
                 self._abort_both(p, d, room)
+
+    async def _attempt_unary(
+        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
+    ) -> tuple[int, bytes]:
+        def answer(p_task: asyncio.Task, res: SideResult) -> tuple[int, bytes]:
+            raw = res.raw
+            if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
+                raw = orjson.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))
+            return res.status, raw
+
+        return await self._attempt(req, p, d, room, tp, disconnected, self._post_json, answer)
 
     async def _open_stream(
         self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str
@@ -356,35 +380,15 @@ class Proxy:
     async def _attempt_stream(
         self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
     ) -> tuple[StreamStart, Worker, Worker, int]:
-        host, port = p.bootstrap_host, p.bootstrap_port
-        here = self._prefill_busy(p)
-        p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
-        )
-        d_task = asyncio.ensure_future(
-            self._open_stream(
-                d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens, tp
-            )
-        )
-        ok = False
-        try:
-            await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
-            res, start = d_task.result()
+        def answer(p_task: asyncio.Task, opened: tuple[SideResult, StreamStart | None]) -> tuple:
+            res, start = opened
             assert start is not None
             if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
-                start.first = sse_event(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))[
-                    :-2
-                ]
-            ok = True
+                start.first = sse_event(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))[:-2]
             return start, p, d, room
-        finally:
-            if ok:
-                self._keep(p_task)
-            else:
-                p_task.cancel()
-                d_task.cancel()
-                d_task.add_done_callback(_close_started_stream)
-                self._abort_both(p, d, room)
+
+        return await self._attempt(req, p, d, room, tp, disconnected, self._open_stream, answer,
+                                   _close_started_stream)
 
     # ---- relaying a started stream -----------------------------------------------------------------
     async def _relay(

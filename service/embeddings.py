@@ -30,7 +30,12 @@ from common import api_embeddings
 from common.api_embeddings import EmbeddingRequest
 from common.api_requests import RequestInvalid, validate
 from common.checks import is_int
+from common.http import error_body
+from engine.extras.features import CAPTURE
+from engine.forward.forward_batch import LOGITS_NONE, Segment, forward_segments
+from engine.kvcache.memory import pages_for
 from service.messages import EmbedOut, EmbedReq
+from service.protocol import parse_json_body
 
 
 class EmbedError(ValueError):
@@ -86,16 +91,12 @@ def pool(hidden: torch.Tensor, pooling: str, dimensions: int) -> list[float]:
 
 def embed_one(runner: Any, kv: Any, ids: list[int], chunk: int) -> torch.Tensor:
     """Final hidden states fp32 [len(ids), H] of one input, over pages freed before returning."""
-    from engine.forward.model_runner import LOGITS_NONE, Segment
-    from engine.kvcache.memory import pages_for
-
     pages = kv.allocate(pages_for(len(ids), kv.page_size))
     try:
         rows = []
         for s in range(0, len(ids), chunk):
-            seg = Segment(pages, s, ids[s : s + chunk], LOGITS_NONE, hidden=True)
-            runner.forward([seg])
-            rows.append(seg.hidden_out)
+            out = forward_segments(runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_NONE, 0, (CAPTURE,))])
+            rows.append(out.hidden[0])  # type: ignore[index]
         return torch.cat(rows)
     finally:
         kv.pool.allocator.free(pages)
@@ -103,8 +104,6 @@ def embed_one(runner: Any, kv: Any, ids: list[int], chunk: int) -> torch.Tensor:
 
 def handle_worker(role: Any, msg: EmbedReq, chunk: int) -> EmbedOut:
     """The worker's answer to an EmbedReq (an error answer when the KV pool cannot hold an input now)."""
-    from engine.kvcache.memory import pages_for
-
     kv, data = role.kv, []
     for ids in msg.inputs:
         if pages_for(len(ids), kv.page_size) > kv.free_pages:
@@ -147,9 +146,6 @@ def answer(job: EmbedJob, out: EmbedOut, model: str) -> dict[str, Any]:
 
 def add_route(app: Any, state: Any) -> None:
     """POST /v1/embeddings on a service's FastAPI app (`state`: service.frontend.FrontendState)."""
-    from common.http import error_body
-    from service.protocol import parse_json_body
-
     def error(message: str, status: int) -> JSONResponse:
         return JSONResponse(error_body(message, status), status_code=status)
 

@@ -29,7 +29,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import api_schema, tracing
 from common.api_requests import AbortRequest
@@ -164,14 +163,14 @@ def _log_finish(trs: list[RequestTracker], status: int, endpoint: str, state: Fr
         m.itl.observe(itl)
     m.e2e.observe(e2e)
     record_finished(state.sessions, tr.parsed, tr.output_ids, status)  # a session's request: its tokens
-    fields = {"rid": tr.rid, "room": tr.parsed.req.bootstrap_room, "status": status, "finish": tr.finish_reason,
+    fields = {"rid": tr.rid, "room": tr.parsed.req.pd.room, "status": status, "finish": tr.finish_reason,
               "prompt_tokens": tr.prompt_tokens, "completion_tokens": completion, "n": len(trs),
               "cached_tokens": tr.cached_tokens, "ttft": None if ttft is None else round(ttft, 4),
               "e2e": round(e2e, 4), "endpoint": endpoint}
     if tr.span is not None:
         _end_span(tr, fields)
     log.info("finished rid=%s room=%s status=%d finish=%s prompt_tokens=%d completion_tokens=%d n=%d "
-             "cached_tokens=%d ttft=%s e2e=%.3f", tr.rid, tr.parsed.req.bootstrap_room, status,
+             "cached_tokens=%d ttft=%s e2e=%.3f", tr.rid, tr.parsed.req.pd.room, status,
              tr.finish_reason, tr.prompt_tokens, completion, len(trs), tr.cached_tokens,
              "-" if ttft is None else f"{ttft:.3f}", e2e,
              extra={**fields, "trace_id": tracing.trace_id(tr.parsed.req.traceparent)})
@@ -258,7 +257,7 @@ def _release(state: FrontendState, trs: list[RequestTracker]) -> bool:
     tr.released = True
     state.bridge.close(tr.rid)
     state.in_flight -= 1
-    state.loras.release(tr.parsed.req.lora)
+    state.loras.release(tr.parsed.req.options.lora)
     return True
 
 
@@ -313,7 +312,7 @@ async def _generate(state: FrontendState, request: Request, parse: Parser, endpo
         state.metrics.requests.inc(endpoint=endpoint, status="400")
         return _error("a request with this rid is already running", 400)
     state.in_flight += 1
-    state.loras.acquire(parsed.req.lora)
+    state.loras.acquire(parsed.req.options.lora)
     trs = [RequestTracker(parsed, state.tokenizer, t0, i) for i in range(parsed.choices)]
     tr = trs[0]
     if tracing.enabled():
@@ -385,9 +384,7 @@ def create_app(state: FrontendState) -> Any:
     app = FastAPI(title=f"pdserve {state.config.role}", redoc_url=None)
     api_schema.install(app)  # /openapi.json and /docs show the models protocol.py parses the bodies with
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(str(exc.detail), exc.status_code)
+    api_schema.install_http_errors(app)  # 404/405 in the error model, a 405 with its Allow (RFC 9110)
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, exc: RequestError) -> JSONResponse:

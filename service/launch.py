@@ -10,11 +10,12 @@
       5. SIGTERM/SIGINT: drain (health 503, new requests 503, in-flight ones finish within the
          grace period), stop uvicorn, stop the worker, exit 0
 
-Tensor parallelism (--tp N, engine/distributed/tp_ranks.py): the worker is rank 0; this process also starts this
-node's ranks 1..N-1 (their own `spawn` processes, rendezvous at --dist-init-addr, default a free
-loopback port). A rank process that exits takes the service down: pending requests get 503, the others
-are stopped and the service exits 1, so its supervisor (`pdserve up`, Kubernetes) starts the group
-afresh. With --node-rank > 0 no frontend runs: `serve_ranks` runs this node's ranks until one exits.
+Tensor parallelism (--tp N, engine/distributed/): the worker is rank 0 (its runner a TPRunner,
+`tp_runner.make_runner`); this process also starts this node's ranks 1..N-1 (their own `spawn`
+processes running `tp_ranks.run_rank`, rendezvous at --dist-init-addr, default a free loopback
+port). A rank process that exits takes the service down: pending requests get 503, the others are
+stopped and the service exits 1, so its supervisor (`pdserve up`, Kubernetes) starts the group afresh.
+With --node-rank > 0 no frontend runs: `serve_ranks` runs this node's ranks until one exits.
 
 zmq layout: service.channels (the worker binds `to_worker`, the frontend binds `to_frontend`, each
 connects a PUSH to the other's).
@@ -22,7 +23,6 @@ connects a PUSH to the other's).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -42,14 +42,20 @@ import uvicorn
 
 from common import tracing
 from common.logs import setup_logging
+from common.procs import free_port
+from engine.config import ModelConfig
+from engine.distributed.tp_ranks import check_model, run_rank, spawn_ranks
+from engine.models.embedded import resolve_model_path
 from service.bridge import WorkerBridge
-from service.config import ServerConfig
+from service.config import ServerConfig, build_parser, server_config_from_args
+from service.frontend import FrontendState, create_app
 from service.messages import AbortReq
+from service.tokenizer import load_tokenizer
 
 log = logging.getLogger("pdserve.launch")
 
 WorkerEntry = Callable[[ServerConfig], None]
-DEFAULT_DRAIN_GRACE_S = 30.0
+DEFAULT_DRAIN_GRACE_S = ServerConfig.drain_grace_s  # --drain-grace
 
 
 @contextlib.contextmanager
@@ -86,31 +92,22 @@ def _stop_all(procs: list[mp.process.BaseProcess]) -> None:
 def _tp_ready(config: ServerConfig, model_dir: Path) -> ServerConfig:
     """The config with a rendezvous address when --tp > 1 needs one; ValueError naming the config.json
     field the group cannot shard (before any process starts)."""
-    from engine.config import ModelConfig
-    from engine.distributed.tp_ranks import check_model
-
     eng = config.engine
     if eng.tp == 1:
         return config
     check_model(ModelConfig.from_dir(model_dir), eng.tp)
     if not eng.dist_init_addr:
-        from common.procs import free_port
-
         eng = dataclasses.replace(eng, dist_init_addr=f"127.0.0.1:{free_port()}")
     return dataclasses.replace(config, engine=eng)
 
 
 def _run_rank(config: ServerConfig, rank: int) -> None:
     """Entry of a rank > 0 process of a service: its logging, then engine.distributed.tp_ranks.run_rank."""
-    from engine.distributed.tp_ranks import run_rank
-
     setup_logging(config.log_level, config.log_format, f"{config.role}-rank{rank}")
     run_rank(config.engine, rank)
 
 
 def _spawn_ranks(config: ServerConfig) -> list[mp.process.BaseProcess]:
-    from engine.distributed.tp_ranks import spawn_ranks
-
     procs = spawn_ranks(config.engine, _run_rank, (config,))
     for p in procs:
         log.info("%s tensor-parallel %s started: pid %s", config.role, p.name, p.pid)
@@ -133,9 +130,6 @@ def serve_ranks(config: ServerConfig) -> int:
 def serve(config: ServerConfig, worker_entry: WorkerEntry,
           drain_grace_s: float = DEFAULT_DRAIN_GRACE_S) -> int:
     """Run a service (frontend in this process, worker in a child) until SIGTERM; returns the exit code."""
-    from engine.models.embedded import resolve_model_path
-    from service.tokenizer import load_tokenizer
-
     setup_logging(config.log_level, config.log_format, config.role)
     tracing.setup(f"pdserve-{config.role}", config.otlp_endpoint)
     try:
@@ -178,8 +172,6 @@ async def _watch_worker(procs: list[mp.process.BaseProcess], bridge: WorkerBridg
 
 async def _serve_async(config: ServerConfig, procs: list[mp.process.BaseProcess], tokenizer: Any,
                        model_dir: str, drain_grace_s: float) -> int:
-    from service.frontend import FrontendState, create_app
-
     bridge = WorkerBridge(config.endpoints)
     state = FrontendState(config=config, bridge=bridge, tokenizer=tokenizer, model_dir=model_dir,
                           worker_pid=procs[0].pid or 0)
@@ -197,7 +189,7 @@ async def _serve_async(config: ServerConfig, procs: list[mp.process.BaseProcess]
             log.error("the worker died before it was ready; exiting")
             exit_code = 1
             server.should_exit = True
-        elif config.engine.distributed.tp > 1 and not state.draining:  # a TP group that lost a rank cannot serve again
+        elif config.engine.tp > 1 and not state.draining:  # a TP group that lost a rank cannot serve again
             log.error("the tensor-parallel group lost a process; stopping the others and exiting")
             for p in procs:
                 if p.is_alive():
@@ -261,18 +253,10 @@ def run_main(role: str, worker_entry: str, argv: list[str] | None, description: 
 
     `worker_entry` is "module:function", imported only after the flags parsed.
     """
-    from service.config import add_server_args, server_config_from_args
-
-    p = argparse.ArgumentParser(prog=f"pdserve {role}", description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_server_args(p, role)
-    p.add_argument("--drain-grace", type=float, default=DEFAULT_DRAIN_GRACE_S,
-                   help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    p = build_parser(role, description)
     ns = p.parse_args(argv)
-    if ns.drain_grace < 0:
-        p.error("--drain-grace must be >= 0")
     try:
         config = server_config_from_args(ns, role)
     except (ValueError, OSError) as e:
         p.error(str(e))
-    return serve(config, _import_entry(worker_entry), drain_grace_s=ns.drain_grace)
+    return serve(config, _import_entry(worker_entry), drain_grace_s=config.drain_grace_s)

@@ -18,9 +18,12 @@ adapter it has unloaded.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Any
 
+from engine.extras.lora import runner as lora_runner
+from engine.extras.lora.registry import LoRAError
 from service import messages as m
 from service.protocol import RequestError
 
@@ -119,11 +122,6 @@ class AdapterTable:
 
 def handle_worker(runner: Any, msg: m.LoraReq) -> m.LoraOut:
     """The worker's side of a load/unload (engine/extras/lora/runner.py does it on every TP rank)."""
-    import time
-
-    from engine.extras.lora import runner as lora_runner
-    from engine.extras.lora.registry import LoRAError
-
     t0 = time.perf_counter()
     try:
         if msg.op == "load":

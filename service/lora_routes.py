@@ -6,12 +6,23 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import Field
 
 from common import api_schema
+from common.api_requests import NonEmpty, _Open
 from common.http import error_body
 from service import messages as m
 from service.lora import AdapterTable
 from service.protocol import RequestError, parse_json_body
+
+
+class LoadLoraRequest(_Open):
+    lora_name: NonEmpty = Field(description="the name requests give (lora_path, or model on /v1)")
+    lora_path: NonEmpty = Field(description="the adapter's directory (PEFT: adapter_config.json + weights)")
+
+
+class UnloadLoraRequest(_Open):
+    lora_name: NonEmpty
 
 
 def lora_routes(app: Any, state: Any) -> None:
@@ -61,7 +72,7 @@ def lora_routes(app: Any, state: Any) -> None:
             return fail(out.message, out.code) if out else fail("the worker is not running or did not answer", 503)
         return JSONResponse({"success": True, "message": out.message})
 
-    for path, fn, codes in (("/load_lora_adapter", load, (400, 401, 409, 503)),
-                            ("/unload_lora_adapter", unload, (400, 401, 404, 409, 503))):
-        for p in (path, "/v1" + path):
-            app.post(p, responses=api_schema.errors(*codes))(fn)
+    for path, fn, body, codes in (("/load_lora_adapter", load, LoadLoraRequest, (400, 401, 409, 503)),
+                                  ("/unload_lora_adapter", unload, UnloadLoraRequest, (400, 401, 404, 409, 503))):
+        for p in (path, "/v1" + path):  # the body is required (documented; read by body_fields)
+            app.post(p, responses=api_schema.errors(*codes), openapi_extra=api_schema.body_docs(body))(fn)

@@ -6,7 +6,8 @@ messages use it too). An unknown type, a version mismatch or a bad field raises 
 decode, never a half-read message.
 
 A GenerateReq is already valid when it is built (the frontend parsed the HTTP body once: sampling
-parameters, prompt, bootstrap fields); the worker only checks what only it knows (KV capacity).
+parameters, prompt, bootstrap fields); the worker only checks what only it knows (KV capacity). Its
+groups (engine.request_groups) travel as typed maps nested in it, with its version.
 
 Direction frontend -> worker: GenerateReq, AbortReq, CloseSessionReq, StatsReq, FlushCacheReq, LoraReq, EmbedReq.
 Direction worker -> frontend: TokenBatch, StatsOut, FlushCacheOut, LoraOut, EmbedOut.
@@ -18,6 +19,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.codec import Codec
+from engine.request_groups import (
+    COLOCATED,
+    GROUPS,
+    NO_EXTRAS,
+    NO_LOGPROBS,
+    NO_OPTIONS,
+    Bootstrap,
+    Extras,
+    LogprobParams,
+    ReqOptions,
+)
 from engine.sampling.params import SamplingParams
 from service.stats import STATS_PARTS, WorkerStats
 
@@ -26,41 +38,26 @@ VERSION = 1
 
 @dataclass
 class GenerateReq:
-    """A tokenized, validated request (service.protocol builds it; nothing downstream re-parses it)."""
+    """A tokenized, validated request (service.protocol builds it; nothing downstream re-parses it).
+    Its groups mirror the request's and go into the engine's Req as they are (engine.request_groups):
+    `sampling`, `logprobs`, `options` (scheduling and cache), `pd` (bootstrap), `extras`."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0  # 0..20 alternatives per token, with return_logprob
-    logprob_start_len: int = -1  # first prompt position whose logprob is reported; -1: none
-    # PD fields: validated by the frontend on prefill/decode (host, port 1..65535, room 0..2^63-1),
-    # None in colocated mode
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    # W3C traceparent of the frontend's span for this request; "" = not traced
-    traceparent: str = ""
+    logprobs: LogprobParams = NO_LOGPROBS
+    options: ReqOptions = NO_OPTIONS  # priority, cache salt, session, LoRA adapter
+    pd: Bootstrap = COLOCATED  # prefill/decode: host, port, room (None colocated)
+    extras: Extras = NO_EXTRAS  # hidden states, input embeddings, ids' logprobs
+    # parallel sampling: n choices over one prompt computed once (engine.scheduling.parallel); 1..MAX_N
+    n: int = 1
     # a migrated stream: the prompt's last `resumed_tokens` ids are output an earlier decode streamed
     # (sampling treats them as output: seeded positions, penalties and min_new_tokens continue)
     resumed_tokens: int = 0
-    # decode: the router found this request's prefill busy; prefill it here if there is room
-    prefill_here: bool = False
-    # parallel sampling: n choices over one prompt computed once (engine.scheduling.parallel); 1..MAX_N
-    n: int = 1
-    # scheduling and cache (issue 40): priority (engine.scheduling.priority), cache salt (Req.extra_key), the
-    # session whose KV this request's end pins (engine.scheduling.sessions; "" none)
-    priority: int = 0
-    extra_key: str = ""
-    session_id: str = ""
-    # engine.extras.features (issue 40): last-layer hidden states, the prompt as float32 input embeddings
-    # [len(input_ids), H] (its ids then placeholders), logprobs of these ids at every step
-    return_hidden_states: bool = False
-    input_embeds: bytes = b""
-    token_ids_logprob: list[int] = field(default_factory=list)
-    lora: str = ""  # LoRA adapter name ("" = the base model; the frontend checked it is loaded)
-    version: int = 2  # 2: n
+    # W3C traceparent of the frontend's span for this request; "" = not traced
+    traceparent: str = ""
+    version: int = 3  # 2: n; 3: the groups
 
 
 @dataclass
@@ -212,6 +209,6 @@ class EmbedOut:
 
 
 CODEC = Codec("service message", GenerateReq, AbortReq, CloseSessionReq, StatsReq, FlushCacheReq, TokenOut,
-              TokenBatch, StatsOut, FlushCacheOut, LoraReq, LoraOut, EmbedReq, EmbedOut, *STATS_PARTS)
+              TokenBatch, StatsOut, FlushCacheOut, LoraReq, LoraOut, EmbedReq, EmbedOut, *STATS_PARTS, *GROUPS)
 encode = CODEC.encode
 decode = CODEC.decode

@@ -67,12 +67,12 @@ def make_transfer_manager(cfg: ServerConfig, runner: ModelRunner, role: str) -> 
     return TransferManager(cfg.pd.transfer_config(role), runner.pool.buffer, compat_info(runner))
 
 
-def pd_request(msg: m.GenerateReq, kv: KVManager, role: str, chunk: int) -> tuple[Req | None, m.TokenOut | None]:
-    """(the request, None), or (None, the 400 that answers it) when the prompt can never fit this
-    worker's KV pool computed in chunks of `chunk` tokens (the decode receives it whole: 1): the one
-    check only the worker can make (the frontend validated the rest)."""
+def pd_request(msg: m.GenerateReq, kv: KVManager, role: str, chunk: int) -> Req | m.TokenOut:
+    """The request, or the 400 that answers it when the prompt can never fit this worker's KV pool
+    computed in chunks of `chunk` tokens (the decode receives it whole: 1): the one check only the
+    worker can make (the frontend validated the rest)."""
     err = kv.capacity_error(len(msg.input_ids), chunk)
-    return (None, error_out(msg.rid, err, 400)) if err else (req_from_msg(msg, role), None)
+    return error_out(msg.rid, err, 400) if err else req_from_msg(msg, role)
 
 
 def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]:

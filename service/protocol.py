@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -41,15 +40,22 @@ from common.api_requests import (
     GenerateRequest,
     RequestInvalid,
     validate,
+    whole,
 )
 from common.checks import is_int
 from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
+from engine.request_groups import COLOCATED, NO_LOGPROBS, Bootstrap, LogprobParams
 from engine.sampling.grammar import GrammarError, GrammarSpec
 from engine.sampling.params import SamplingParams
 from service import req_features, request_options
 from service.messages import AbortReq, GenerateReq
+from service.parsed import Limits, ParsedRequest, RequestError, parse_json_body
 from service.sessions import attach_session, session_prompt
-from service.tools import ToolError, ToolPlan, parse_tools, render_calls, with_system_prompt
+from service.tokenizer import ChatTemplateError
+from service.tools import ToolError, parse_tools, render_calls, with_system_prompt
+
+__all__ = ["Limits", "ParsedRequest", "RequestError", "parse_abort", "parse_bootstrap", "parse_chat",
+           "parse_completion", "parse_generate", "parse_json_body"]  # the parser's API, types included
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_ROOM = 2**63 - 1
@@ -57,58 +63,7 @@ MAX_RID_LEN = 256
 # OpenAI / SGLang parameters we do not implement: accepted only at their neutral value
 NEUTRAL = {"best_of": 1, "no_stop_trim": False, "spaces_between_special_tokens": True,
            "suffix": None}
-
-
-class RequestError(Exception):
-    """A request the service refuses: `status` is the HTTP status, `message` says why."""
-
-    def __init__(self, message: str, status: int = 400, err_type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.err_type = err_type
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the parser checks requests against (from the worker's ready info)."""
-
-    role: str
-    context_length: int
-    vocab_size: int
-    model_name: str
-    grammars: Any = None  # engine.sampling.grammar.Grammars: a structured-output grammar must compile here
-    hidden_size: int = 0  # the model's (input_embeds rows, hidden-state sizes)
-    loras: Any = None  # service.lora.AdapterTable: the adapters a request may name (None: LoRA unknown)
-    sessions: Any = None  # service.sessions.SessionStore (colocated): /generate's session_params
-
-
-@dataclass
-class ParsedRequest:
-    kind: str  # generate | completion | chat
-    req: GenerateReq
-    model: str
-    stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    include_usage: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0  # alternatives per token in the answer
-    echo: str | None = None  # completions with echo: the prompt text, put in front of the answer
-    role: str = "colocated"  # the answering service's role (a prefill leaves output logprobs to its decode)
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    token_ids: bool = False  # stream events carry their token ids (TOKEN_IDS_KEY), for the router
-    resumed: list[int] = dataclasses.field(default_factory=list)  # output ids another decode streamed
-    response_id: str = ""  # the id of the stream this request continues ("" = from the rid)
-    tools: ToolPlan | None = None  # chat: the tools the reply may call (service.tools)
-    echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
-    reasoning: str = ""  # chat: the --reasoning-parser style that splits the reply (service.reasoning)
-    session: Any = None  # /generate's session_params (common.api_requests.SessionParams), or None
-
-    @property
-    def choices(self) -> int:
-        """Choices this service answers with: n, but one on a prefill (it reports choice 0 only:
-        the router needs its status and prompt logprobs, the decode streams every choice)."""
-        return 1 if self.role == "prefill" else self.req.n
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(frozen=True)
@@ -159,18 +114,6 @@ def _apply_resume(parsed: ParsedRequest, resume: Resume | None) -> None:
             parsed.created = resume.created
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise RequestError("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"malformed JSON body: {e}") from e
-    if not isinstance(body, dict):
-        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 def _valid(model: type[Any], body: dict[str, Any]) -> Any:
     """The body as its documented model (common/api_requests.py): the one type, range and shape check."""
     try:
@@ -187,11 +130,12 @@ def _check_neutral(body: dict[str, Any], where: str) -> None:
         raise RequestError(f"{where}'{key}'={v!r} is not supported by this server")
 
 
-def parse_bootstrap(body: dict[str, Any], role: str) -> tuple[str | None, int | None, int | None]:
-    """(host, port, room): required and validated on prefill/decode, ignored on colocated."""
+def parse_bootstrap(body: dict[str, Any], role: str) -> Bootstrap:
+    """The PD group: host, port, room required and validated on prefill/decode (and, on a decode, the
+    router's prefill_here hint); all None on colocated."""
     if role == "colocated":
-        return None, None, None
-    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+        return COLOCATED
+    host, port, room = body.get("bootstrap_host"), whole(body.get("bootstrap_port")), whole(body.get("bootstrap_room"))
     missing = [k for k, v in (("bootstrap_host", host), ("bootstrap_port", port), ("bootstrap_room", room))
                if v is None]
     if missing:
@@ -203,7 +147,7 @@ def parse_bootstrap(body: dict[str, Any], role: str) -> tuple[str | None, int | 
         raise RequestError(f"bootstrap_port must be an integer in 1..65535, got {port!r}")
     if not is_int(room) or not 0 <= room <= MAX_ROOM:
         raise RequestError(f"bootstrap_room must be an integer in 0..2^63-1, got {room!r}")
-    return host, port, room
+    return Bootstrap(host, port, room, prefill_here=role == "decode" and body.get(PREFILL_HERE_KEY) is True)
 
 
 def _rid(body: dict[str, Any]) -> str:
@@ -230,17 +174,18 @@ def _check_vocab(ids: list[int], limits: Limits, what: str) -> list[int]:
 
 
 def _sampling(raw: dict[str, Any], prompt_len: int, limits: Limits) -> SamplingParams:
-    """Validate sampling fields, then fit max_new_tokens into the context window."""
+    """SamplingParams from the fields a validated model gave (`raw`: SamplingParams' names, values as
+    the model holds them), checked against this model (vocabulary, grammar, context window), with
+    max_new_tokens fitted into the context window."""
     ctx = limits.context_length
     if prompt_len == 0:
         raise RequestError("the prompt is empty")
     if prompt_len >= ctx:
         raise RequestError(f"the prompt has {prompt_len} tokens; this model's context length is {ctx} "
                            f"(prompt + output), so at most {ctx - 1} prompt tokens fit")
-    raw = {k: v for k, v in raw.items() if v is not None}
-    try:
-        sp = SamplingParams.from_dict(raw)
-    except (ValueError, TypeError) as e:
+    try:  # lists as tuples, logit_bias as (id, bias) pairs; a cross-field rule (min_new_tokens <= max) names it
+        sp = SamplingParams.from_dict({k: v for k, v in raw.items() if v is not None})
+    except ValueError as e:
         raise RequestError(str(e)) from e
     outside = [t for t, _ in sp.logit_bias if t >= limits.vocab_size]
     if outside:
@@ -258,15 +203,13 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
           stream: bool, logprobs: bool, top: int = 0, start: int = -1, n: int = 1) -> ParsedRequest:
     """`top`: alternatives per token, `start`: first prompt position with a logprob (-1: none),
     `n`: choices (the prompt is computed once, engine.scheduling.parallel)."""
-    host, port, room = parse_bootstrap(body, limits.role)
-    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream, return_logprob=logprobs,
-                      top_logprobs_num=top if logprobs else 0, logprob_start_len=start if logprobs else -1,
-                      bootstrap_host=host, bootstrap_port=port, bootstrap_room=room, n=n,
-                      prefill_here=limits.role == "decode" and body.get(PREFILL_HERE_KEY) is True)
-    request_options.apply(req, body, kind)  # priority, cache salt (issue 40)
-    if limits.loras is not None:  # LoRA adapter by `lora_path` (/generate) or `model` (/v1); service/lora.py
-        req.lora = limits.loras.resolve(kind, body, limits.model_name, limits.role)
-    return ParsedRequest(kind=kind, req=req, model=req.lora or limits.model_name, stop=sp.stop,
+    # LoRA adapter by `lora_path` (/generate) or `model` (/v1); service/lora.py
+    lora = limits.loras.resolve(kind, body, limits.model_name, limits.role) if limits.loras is not None else ""
+    req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream,
+                      logprobs=LogprobParams(logprobs, top, start) if logprobs else NO_LOGPROBS,
+                      options=request_options.options(body, kind, lora),  # priority, cache salt (issue 40)
+                      pd=parse_bootstrap(body, limits.role), n=n)
+    return ParsedRequest(kind=kind, req=req, model=lora or limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
                          top_logprobs=top if logprobs else 0, role=limits.role,
                          token_ids=body.get(TOKEN_IDS_KEY) is True)
@@ -292,9 +235,9 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     ids = (embeds[0] if embeds else _check_vocab(tok.encode(m.text), limits, "'text' (tokenized)")
            if m.text is not None else _check_vocab(m.input_ids, limits, "'input_ids'"))
     ids, session = session_prompt(body, ids, limits.sessions, limits.role)  # a session's history first
-    sp_raw = body.get("sampling_params") or {}  # its keys and values are checked (GenerateSampling)
-    n = (m.sampling_params and m.sampling_params.n) or 1
-    sp_raw = {k: v for k, v in sp_raw.items() if k not in NEUTRAL and k != "n"}
+    given = m.sampling_params  # GenerateSampling: SamplingParams' names, plus n and the neutral ones
+    n = (given and given.n) or 1
+    sp_raw = {} if given is None else {k: v for k in SAMPLING_FIELDS if (v := getattr(given, k)) is not None}
     stream = bool(m.stream)
     logprobs, top, start = _generate_logprobs(m, len(ids))
     ids, resume = _resumed(body, ids, sp_raw, limits)
@@ -390,8 +333,6 @@ def _message_text(i: int, msg: ChatMessage, raw: dict[str, Any]) -> dict[str, st
 
 def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """OpenAI /v1/chat/completions."""
-    from service.tokenizer import ChatTemplateError
-
     _check_neutral(body, "")
     m = _valid(ChatCompletionRequest, body)
     messages = [_message_text(i, msg, raw) for i, (msg, raw) in enumerate(zip(m.messages, body["messages"]))]

@@ -19,22 +19,21 @@ hidden states may hold (on every role).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from common.checks import is_int
 from engine.extras.features import PLACEHOLDER_ID
+from engine.request_groups import Extras
 from service.messages import TokenOut
-
-if TYPE_CHECKING:
-    from service.protocol import Limits, ParsedRequest
+from service.parsed import Limits, ParsedRequest, RequestError
 
 MAX_HIDDEN_FLOATS = 1 << 21  # (prompt + max new tokens) x hidden size, per request
 MAX_TOKEN_IDS = 64  # token_ids_logprob entries
 
 
 def _error(message: str) -> Exception:
-    from service.protocol import RequestError
-
     return RequestError(message)
 
 
@@ -51,8 +50,6 @@ def input_embeds(body: dict[str, Any], limits: Limits) -> tuple[list[int], bytes
     bad = next((i for i, row in enumerate(raw) if len(row) != h), None)
     if bad is not None:
         raise _error(f"'input_embeds[{bad}]' has {len(raw[bad])} values; this model's hidden size is {h}")
-    import torch
-
     try:
         t = torch.tensor(raw, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError):
@@ -78,7 +75,7 @@ def _token_ids(body: dict[str, Any], limits: Limits) -> list[int]:
 
 def apply(parsed: ParsedRequest, body: dict[str, Any], embeds: tuple[list[int], bytes] | None,
           limits: Limits) -> None:
-    """Check the extras of a parsed /generate body and put them on its GenerateReq."""
+    """Check the extras of a parsed /generate body and put them on its GenerateReq (its extras group)."""
     hidden = body.get("return_hidden_states")
     if hidden is not None and not isinstance(hidden, bool):
         raise _error("'return_hidden_states' must be true or false")
@@ -88,14 +85,13 @@ def apply(parsed: ParsedRequest, body: dict[str, Any], embeds: tuple[list[int], 
         return
     if req.n > 1:
         raise _error("'return_hidden_states', 'input_embeds' and 'token_ids_logprob' take one choice ('n' 1)")
-    if embeds and req.logprob_start_len >= 0:
+    if embeds and req.logprobs.start_len >= 0:
         raise _error("'logprob_start_len' reports prompt tokens; an 'input_embeds' prompt has none")
     floats = (len(req.input_ids) + req.sampling.max_new_tokens) * limits.hidden_size
     if hidden and floats > MAX_HIDDEN_FLOATS:
         raise _error(f"'return_hidden_states': {len(req.input_ids)} prompt + {req.sampling.max_new_tokens} new "
                      f"tokens of {limits.hidden_size} values exceed the limit of {MAX_HIDDEN_FLOATS} values")
-    parsed.req = dataclasses.replace(req, return_hidden_states=bool(hidden), input_embeds=embeds[1] if embeds else b"",
-                                     token_ids_logprob=ids)
+    parsed.req = dataclasses.replace(req, extras=Extras(bool(hidden), embeds[1] if embeds else b"", ids))
 
 
 class FeatureLog:
@@ -117,14 +113,14 @@ class FeatureLog:
 
     def meta(self, parsed: ParsedRequest, finished: bool) -> dict[str, Any]:
         """SGLang's meta_info keys for what the request asked (hidden states once finished)."""
-        req, meta = parsed.req, {}
-        if req.return_hidden_states and finished and parsed.role != "prefill":
+        asked, start, meta = parsed.req.extras, parsed.req.logprobs.start_len, {}
+        if asked.hidden_states and finished and parsed.role != "prefill":
             meta["hidden_states"] = [self.hidden_prompt, *self.hidden_output] if self.hidden_prompt else []
-        if req.token_ids_logprob and parsed.role != "prefill":
-            ids = req.token_ids_logprob
+        if asked.token_ids_logprob and parsed.role != "prefill":
+            ids = asked.token_ids_logprob
             meta["output_token_ids_logprobs"] = [_triples(v, ids) for v in self.ids_output]
-            if req.logprob_start_len >= 0:
-                first = [None] if req.logprob_start_len == 0 else []
+            if start >= 0:
+                first = [None] if start == 0 else []
                 meta["input_token_ids_logprobs"] = first + [_triples(v, ids) for v in self.ids_input]
         return meta
 

@@ -176,8 +176,8 @@ def native_body(tr: RequestTracker) -> dict[str, Any]:
         "completion_tokens": tr.completion_tokens if tr.finished else tr.resumed + len(tr.output_ids),
         "cached_tokens": tr.cached_tokens, "e2e_latency": round(tr.e2e(), 6),
     }
-    if tr.parsed.req.bootstrap_room is not None:
-        meta["bootstrap_room"] = tr.parsed.req.bootstrap_room
+    if tr.parsed.req.pd.room is not None:
+        meta["bootstrap_room"] = tr.parsed.req.pd.room
     if tr.parsed.logprobs:
         top = tr.parsed.top_logprobs > 0
         meta.update(native_lists(tr.entries, "output", top))

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from common import api_schema
 from common.api_requests import CacheKey, RequestInvalid, SessionParams, _Closed, validate
 from common.http import error_body
 from service.messages import CloseSessionReq
+from service.parsed import RequestError, parse_json_body
 
 MAX_SESSIONS = 4096  # open sessions per service (the oldest idle one goes first when full)
 MAX_REQS_PER_SESSION = 16  # requests a session remembers (the oldest forgotten first)
@@ -144,8 +145,6 @@ def session_prompt(body: dict[str, Any], ids: list[int], store: SessionStore | N
                    role: str) -> tuple[list[int], SessionParams | None]:
     """/generate's prompt ids and its validated session_params (None without them); a
     service.protocol.RequestError (400) naming the field when they cannot be used."""
-    from service.protocol import RequestError  # service.protocol imports this module
-
     raw = body.get("session_params")
     if raw is None:
         return ids, None
@@ -167,14 +166,12 @@ def session_prompt(body: dict[str, Any], ids: list[int], store: SessionStore | N
 
 def attach_session(parsed: Any, params: SessionParams | None) -> None:
     """Mark a parsed /generate as its session's (the worker pins its KV when it ends); one choice only."""
-    from service.protocol import RequestError
-
     if params is None:
         return
     if parsed.req.n > 1:
         raise RequestError("'session_params' continues one request: it cannot be combined with 'n' > 1")
     parsed.session = params
-    parsed.req.session_id = params.id
+    parsed.req = replace(parsed.req, options=replace(parsed.req.options, session_id=params.id))
 
 
 def record_finished(store: SessionStore | None, parsed: Any, output_ids: list[int], status: int) -> None:
@@ -199,8 +196,6 @@ def add_session_routes(app: FastAPI, state: Any) -> None:
                       "(prefill/decode disaggregation) does not keep them", 400)
 
     async def body_of(request: Request, model: type) -> Any:
-        from service.protocol import parse_json_body  # the one JSON body check (service.protocol imports us)
-
         try:
             return validate(model, parse_json_body(await request.body()))
         except RequestInvalid as e:

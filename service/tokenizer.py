@@ -22,6 +22,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+
 log = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -98,8 +100,6 @@ class Tokenizer:
         the generation prompt; returns ids."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions or /generate")
-        from jinja2 import TemplateError
-
         try:
             extra = {"tools": tools} if tools else {}
             text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)

@@ -1,7 +1,8 @@
 """The worker process side shared by every role: the step loop, token reports, the Role protocol.
 
-Loop (`run_loop`): take messages -> `role.step()` (schedule, run one forward, process results)
--> report tokens; a role with nothing to compute blocks in `role.wait()`. Roles live in their
+Loop (`run_loop`): take messages (`Dispatch`: a table from message type to the Role call that takes
+it) -> `role.step()` (schedule, run one forward, process results) -> report tokens; a role with
+nothing to compute blocks in `role.wait()`. Roles live in their
 services (colocated_service, prefill_service, decode_service) and receive their collaborators
 (runner, KV manager, transfer manager) in their constructors, so tests can step them in-process.
 """
@@ -12,15 +13,18 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from common import tracing
 from common.logs import setup_logging
 from engine.extras.features import make_features, report
+from engine.forward.model_runner import ModelRunner
 from engine.kvcache.kv_manager import KVManager
-from engine.request import Bootstrap, FinishReason, LogprobState, Req
+from engine.request import FinishReason, LogprobState, Req
 from engine.scheduling.parallel import add_choices
 from service import embeddings, lora
 from service import messages as m
@@ -35,16 +39,14 @@ log = logging.getLogger("pdserve.worker")
 def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     """The engine's request for an already-validated GenerateReq (traced when it carries a traceparent
     and tracing is on in this process); with n > 1 it carries choices 1..n-1 (engine.scheduling.parallel)."""
-    req = Req(
+    req = Req(  # the message's groups as they are (engine.request_groups)
         rid=msg.rid, token_ids=msg.input_ids, sampling=msg.sampling, stream=msg.stream,
-        logprobs=LogprobState(on=msg.return_logprob, top_k=msg.top_logprobs_num, start_len=msg.logprob_start_len),
-        pd=Bootstrap(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room),
+        logprobs=LogprobState(msg.logprobs), pd=msg.pd, options=msg.options,
         trace=ReqTrace.for_msg(msg.traceparent, role), resumed_tokens=msg.resumed_tokens,
-        priority=msg.priority, extra_key=msg.extra_key, session_id=msg.session_id, lora=msg.lora,
     )
-    if msg.return_hidden_states or msg.input_embeds or msg.token_ids_logprob:  # engine.extras.features
-        req.features = make_features(msg.return_hidden_states, msg.input_embeds, len(msg.input_ids),
-                                     msg.token_ids_logprob)
+    x = msg.extras
+    if x.any:  # engine.extras.features: the embeddings' bytes become a tensor
+        req.features = make_features(x.hidden_states, x.input_embeds, len(msg.input_ids), x.token_ids_logprob)
     add_choices(req, msg.n)
     return req
 
@@ -86,10 +88,14 @@ def error_out(rid: str, message: str, code: int) -> m.TokenOut:
 
 
 class Role(Protocol):
+    """What the worker loop (and the control messages it answers) may ask of a role."""
+
     kv: KVManager  # the role's KV manager (its prefix cache, when on)
+    runner: ModelRunner  # its model (embeddings run a forward on it; LoRA loads go to every TP rank)
 
     def add(self, msg: m.GenerateReq) -> list[m.TokenOut]: ...
     def abort(self, msg: m.AbortReq) -> None: ...
+    def close_session(self, session_id: str) -> None: ...  # a role that keeps no sessions ignores it
     def has_work(self) -> bool: ...
     def step(self) -> list[m.TokenOut]: ...
     def stats(self) -> WorkerStats: ...  # typed numbers for a StatsOut (the loop sets `time`)
@@ -116,56 +122,82 @@ def flush_cache(role: Role, token: int) -> m.FlushCacheOut:
                            else "no prefix cache on this worker", freed_tokens=freed)
 
 
-def handle(role: Role, msg: m.GenerateReq | m.AbortReq | m.CloseSessionReq) -> list[m.TokenOut]:
-    """Hand one frontend message to the role (StatsReq is answered by the loop; a session's close
-    goes to roles that keep sessions, engine.scheduling.sessions)."""
-    if isinstance(msg, m.GenerateReq):
-        return role.add(msg)
-    if isinstance(msg, m.CloseSessionReq):
-        close = getattr(role, "close_session", None)
-        if close is not None:
-            close(msg.session_id)
+Msg = TypeVar("Msg")
+Reply = m.StatsOut | m.FlushCacheOut | m.EmbedOut | m.LoraOut
+
+
+class Dispatch:
+    """The worker's message table: each frontend message type -> the Role call that takes it.
+    Requests (generate, abort, a session's close: engine.scheduling.sessions) report through the
+    role's steps; a control message (stats, flush, embeddings, LoRA) is answered at once (`reply`)."""
+
+    def __init__(self, cfg: ServerConfig, role: Role, info: dict, reply: Callable[[Reply], None]) -> None:
+        self.reply = reply
+        self.table: dict[type, Callable[[Any], list[m.TokenOut]]] = {}
+        self.on(m.GenerateReq, role.add)
+        self.on(m.AbortReq, _reported_later(role.abort))
+        self.on(m.CloseSessionReq, _reported_later(lambda msg: role.close_session(msg.session_id)))
+        self.answer(m.StatsReq, lambda msg: m.StatsOut(token=msg.token, info=info,
+                                                       stats=replace(role.stats(), time=time.time())))
+        self.answer(m.FlushCacheReq, lambda msg: flush_cache(role, msg.token))
+        chunk = cfg.engine.chunked_prefill_size  # service/embeddings.py: one forward per input, now
+        self.answer(m.EmbedReq, lambda msg: embeddings.handle_worker(role, msg, chunk))
+        self.answer(m.LoraReq, lambda msg: lora.handle_worker(role.runner, msg))  # on every TP rank
+
+    def on(self, kind: type[Msg], handler: Callable[[Msg], list[m.TokenOut]]) -> None:
+        self.table[kind] = handler
+
+    def answer(self, kind: type[Msg], handler: Callable[[Msg], Reply]) -> None:
+        def send(msg: Msg) -> list[m.TokenOut]:
+            self.reply(handler(msg))
+            return []
+
+        self.table[kind] = send
+
+    def __call__(self, msgs: Iterable[object]) -> list[m.TokenOut]:
+        """Hand each message to its handler; returns the token reports they produced."""
+        outs: list[m.TokenOut] = []
+        for msg in msgs:
+            handler = self.table.get(type(msg))
+            if handler is None:
+                log.warning("ignored a message of unknown type %s", type(msg).__name__)
+                continue
+            outs.extend(handler(msg))
+        return outs
+
+
+def _reported_later(call: Callable[[Msg], object]) -> Callable[[Msg], list[m.TokenOut]]:
+    """A role call that reports nothing now (what it ends is reported by the role's next step)."""
+
+    def run(msg: Msg) -> list[m.TokenOut]:
+        call(msg)
         return []
-    role.abort(msg)
-    return []
+
+    return run
 
 
 def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
+    """The worker's loop: take messages -> `role.step()` (schedule, run one forward, postprocess)
+    -> report tokens, until SIGTERM or the frontend that spawned it is gone."""
     io = WorkerChannels(cfg.endpoints)
-    stopping = False
-
-    def on_term(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend owns Ctrl-C and stops us
     # the frontend that spawned us, as recorded at spawn time: it may be gone before the model has
     # loaded, and then os.getppid() here would already name init and never change
     spawner = mp.parent_process()
     parent = spawner.pid if spawner is not None else os.getppid()
+    dispatch = Dispatch(cfg, role, info, io.outbox.send)
     io.outbox.send(m.StatsOut(token=-1, info={**info, "ready": True}))
     log.info("worker ready: %s", {k: info[k] for k in ("role", "model_path", "max_total_tokens") if k in info})
     try:
-        while not stopping and os.getppid() == parent:
+        while not stopping.is_set() and os.getppid() == parent:
             if not role.has_work():
                 role.wait(io)
-            outs: list[m.TokenOut] = []
-            for msg in io.inbox.recv_all():
-                if isinstance(msg, m.StatsReq):
-                    io.outbox.send(m.StatsOut(token=msg.token, info=info,
-                                              stats=replace(role.stats(), time=time.time())))
-                elif isinstance(msg, m.FlushCacheReq):
-                    io.outbox.send(flush_cache(role, msg.token))
-                elif isinstance(msg, m.EmbedReq):  # service/embeddings.py: one forward per input, now
-                    io.outbox.send(embeddings.handle_worker(role, msg, cfg.engine.chunked_prefill_size))
-                elif isinstance(msg, m.LoraReq):  # service/lora.py: load/unload on every TP rank
-                    io.outbox.send(lora.handle_worker(role.runner, msg))  # type: ignore[attr-defined]
-                else:
-                    outs.extend(handle(role, msg))
-            outs.extend(role.step())
+            outs = dispatch(io.inbox.recv_all())  # take messages
+            outs.extend(role.step())  # schedule -> run -> postprocess
             if outs:
-                io.outbox.send(m.TokenBatch(outs=outs))
+                io.outbox.send(m.TokenBatch(outs=outs))  # report
     finally:
         role.close()
         io.close()

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import HiCacheSpec
 from engine.kvcache.kv_manager import KVManager
+from engine.request_groups import Bootstrap, Extras, LogprobParams, ReqOptions
 from engine.sampling.params import SamplingParams
 from prefill_service.worker import PrefillRole
 from service import messages as m
@@ -24,6 +25,30 @@ def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
     """The role's KV manager, with the host/disk tiers of runner.cfg's --hicache-* fields when cached."""
     spec = HiCacheSpec.from_config(runner.cfg, f"w{id(runner)}") if prefix_cache else None
     return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, spec)
+
+
+_GROUPED = {  # the request's SGLang-style field names -> (GenerateReq group, the group's field)
+    "return_logprob": ("logprobs", "on"), "top_logprobs_num": ("logprobs", "top_k"),
+    "logprob_start_len": ("logprobs", "start_len"),
+    "bootstrap_host": ("pd", "host"), "bootstrap_port": ("pd", "port"), "bootstrap_room": ("pd", "room"),
+    "prefill_here": ("pd", "prefill_here"),
+    "priority": ("options", "priority"), "extra_key": ("options", "extra_key"),
+    "session_id": ("options", "session_id"), "lora": ("options", "lora"),
+    "return_hidden_states": ("extras", "hidden_states"), "input_embeds": ("extras", "input_embeds"),
+    "token_ids_logprob": ("extras", "token_ids_logprob"),
+}
+_GROUP_TYPES = {"logprobs": LogprobParams, "pd": Bootstrap, "options": ReqOptions, "extras": Extras}
+
+
+def generate_req(rid: str, input_ids: list[int], sampling: SamplingParams, **fields) -> m.GenerateReq:  # noqa: ANN003
+    """A GenerateReq from the request's field names (return_logprob=True, bootstrap_room=7, extra_key=...,
+    as the tests spell them), each put in its group; n, stream, traceparent, resumed_tokens as they are."""
+    groups: dict[str, dict] = {}
+    for name in [f for f in fields if f in _GROUPED]:
+        group, key = _GROUPED[name]
+        groups.setdefault(group, {})[key] = fields.pop(name)
+    return m.GenerateReq(rid=rid, input_ids=input_ids, sampling=sampling, **fields,
+                         **{g: _GROUP_TYPES[g](**kw) for g, kw in groups.items()})
 
 
 def collect(outs: list[m.TokenOut], tokens: dict[str, list[int]], done: dict[str, m.TokenOut],
@@ -94,8 +119,8 @@ class PDPair:
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.p_mgr.bootstrap_port,
                     "bootstrap_room": room_base + i, **extra}
             sp = sampling[i] if isinstance(sampling, list) else sampling
-            collect(self.prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)), {}, p_done)
-            collect(self.decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=sp, **boot)),
+            collect(self.prefill.add(generate_req(f"r{i}", ids, sp, **boot)), {}, p_done)
+            collect(self.decode.add(generate_req(f"r{i}", ids, sp, **boot)),
                     tokens, d_done, seen)
         deadline = time.monotonic() + timeout_s
         choices = len(prompts) * extra.get("n", 1)  # the prefill reports choice 0 only

@@ -89,7 +89,7 @@ class StubWorker:
 
     def abort(self, msg: m.AbortReq, outs: list[m.TokenOut]) -> None:
         for rid, r in list(self.active.items()):
-            if msg.abort_all or r.msg.rid == msg.rid or (msg.room is not None and r.msg.bootstrap_room == msg.room):
+            if msg.abort_all or r.msg.rid == msg.rid or (msg.room is not None and r.msg.pd.room == msg.room):
                 del self.active[rid]
                 outs.append(m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[], finished=True,
                                        finish_reason="abort", error=msg.reason, error_code=499,
@@ -101,11 +101,12 @@ class StubWorker:
         sp = r.msg.sampling
         out = m.TokenOut(rid=r.msg.rid, index=r.index, new_token_ids=[t], prompt_tokens=len(r.msg.input_ids),
                          completion_tokens=len(r.out))
-        if r.msg.return_logprob:
+        lp = r.msg.logprobs
+        if lp.on:
             out.new_logprobs = [-0.5]
-            if not r.sent_input_lp and r.msg.logprob_start_len >= 0:
-                out.input_start = r.msg.logprob_start_len
-                out.input_logprobs = [-1.0] * (len(r.msg.input_ids) - max(1, r.msg.logprob_start_len))
+            if not r.sent_input_lp and lp.start_len >= 0:
+                out.input_start = lp.start_len
+                out.input_logprobs = [-1.0] * (len(r.msg.input_ids) - max(1, lp.start_len))
                 r.sent_input_lp = True
         text = self.tok.decode(r.out, skip_special_tokens=False)
         matched = next((s for s in sp.stop if s in text), None)
@@ -135,6 +136,15 @@ class StubWorker:
             self.abort(msg, outs)
         elif isinstance(msg, m.StatsReq):
             self.send(self.stats(msg.token))
+        elif isinstance(msg, m.FlushCacheReq):  # as the real worker: refused while requests are in flight
+            busy = len(self.active)
+            self.send(m.FlushCacheOut(token=msg.token, ok=not busy, message=f"cannot flush the prefix cache while "
+                                      f"{busy} request(s) are in flight; retry when idle" if busy
+                                      else "no prefix cache on this worker"))
+        elif isinstance(msg, m.LoraReq):  # as the real worker with LoRA off (engine/extras/lora/runner.py)
+            off = "LoRA is off on this server (start it with --max-loaded-loras N or --lora-paths)"
+            code, message = (400, off) if msg.op == "load" else (404, f"LoRA adapter {msg.name!r} is not loaded")
+            self.send(m.LoraOut(token=msg.token, ok=False, code=code, message=message))
         elif isinstance(msg, m.EmbedReq):  # service/embeddings.py's frontend parsed and tokenized it
             size = msg.dimensions or self.info["hidden_size"]
             self.send(m.EmbedOut(msg.token, [fake_embedding(ids, size) for ids in msg.inputs]))

@@ -1,4 +1,5 @@
-"""Data-plane backends: move page bytes by tag. `make_backend` picks one by name.
+"""Data-plane backends: move page bytes by tag. `transfer.manager.make_backend` picks one by name
+(the UCX one, in transfer/ucx_backend.py, imports this contract; this module never imports it).
 
 Contract (both backends):
 - `send(peer, tag, buf)` posts one tagged message of buf (uint8, contiguous) to the peer worker
@@ -121,12 +122,3 @@ class FakeBackend:
     def close(self) -> None:
         _IN_PROCESS.pop(self.address, None)
 
-
-def make_backend(name: str, engine_id: str) -> DataBackend:
-    if name == "fake":
-        return FakeBackend(engine_id)
-    if name == "ucx":
-        from transfer.ucx_backend import UcxBackend  # imports ucxx only when used
-
-        return UcxBackend()
-    raise ValueError(f"unknown transfer backend {name!r}")

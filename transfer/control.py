@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
+import transfer.messages as messages
 from common.codec import VersionError
-from transfer import messages
 
 log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 << 20  # a TransferInfo for a million pages is ~5 MB
@@ -78,11 +78,38 @@ def _socket(zctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-class ControlRouter:
+class _ControlSocket:
+    """What both ends share: the socket, the cluster token stamped and checked, the drop counter."""
+
+    def __init__(self, zctx: zmq.Context, kind: int, token: str | None, dropped: Dropped) -> None:
+        self.sock = _socket(zctx, kind)
+        self.dropped = dropped
+        self._token = token
+
+    def _drain(self, head: int) -> list[tuple[list[bytes], Any, bool]]:
+        """Every message waiting, without blocking: [(the `head` frames before it, message, authorized)].
+        head: the routing frames a message comes after (a ROUTER's peer identity: 1; a DEALER: 0)."""
+        out = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if len(frames) != head + 1:
+                self.dropped.add("frames", f"{len(frames) - head} frames" + (" after the identity" if head else ""))
+                continue
+            msg = _decode(frames[head], self.dropped)
+            if msg is not None:
+                out.append((frames[:head], msg, _authorized(msg, self._token)))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ControlRouter(_ControlSocket):
     def __init__(self, zctx: zmq.Context, advertise_host: str, port: int, token: str | None,
                  dropped: Dropped) -> None:
-        self.sock = _socket(zctx, zmq.ROUTER)
-        self.dropped = dropped
+        super().__init__(zctx, zmq.ROUTER, token, dropped)
         host = bind_host(advertise_host)
         try:
             if port == 0:
@@ -94,7 +121,6 @@ class ControlRouter:
             self.sock.close()
             raise ValueError(f"cannot bind tcp://{host}:{port}: {e}") from e
         self.endpoint = f"tcp://{advertise_host}:{self.port}"
-        self._token = token
 
     def send(self, identity: bytes, msg: Any) -> None:
         msg.token = self._token
@@ -102,32 +128,16 @@ class ControlRouter:
 
     def recv_all(self) -> list[tuple[bytes, Any, bool]]:
         """Drain without blocking: [(peer identity, message, authorized)]."""
-        out = []
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            if len(frames) != 2:
-                self.dropped.add("frames", f"{len(frames) - 1} frames after the identity")
-                continue
-            msg = _decode(frames[1], self.dropped)
-            if msg is not None:
-                out.append((frames[0], msg, _authorized(msg, self._token)))
-
-    def close(self) -> None:
-        self.sock.close()
+        return [(head[0], msg, ok) for head, msg, ok in self._drain(1)]
 
 
-class ControlDealer:
+class ControlDealer(_ControlSocket):
     def __init__(self, zctx: zmq.Context, endpoint: str, identity: bytes, token: str | None,
                  dropped: Dropped) -> None:
-        self.sock = _socket(zctx, zmq.DEALER)
-        self.dropped = dropped
+        super().__init__(zctx, zmq.DEALER, token, dropped)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
         self.sock.connect(endpoint)
         self.endpoint = endpoint
-        self._token = token
 
     def send(self, msg: Any) -> None:
         msg.token = self._token
@@ -137,18 +147,5 @@ class ControlDealer:
             log.warning("control queue to %s full, dropped %s", self.endpoint, type(msg).__name__)
 
     def recv_all(self) -> list[tuple[Any, bool]]:
-        out = []
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return out
-            if len(frames) != 1:
-                self.dropped.add("frames", f"{len(frames)} frames")
-                continue
-            msg = _decode(frames[0], self.dropped)
-            if msg is not None:
-                out.append((msg, _authorized(msg, self._token)))
-
-    def close(self) -> None:
-        self.sock.close()
+        """Drain without blocking: [(message, authorized)]."""
+        return [(msg, ok) for _, msg, ok in self._drain(0)]

@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 import zmq
 
-from transfer.backend import make_backend
+from transfer.backend import DataBackend, FakeBackend
 from transfer.config import CompatInfo, TransferConfig
 from transfer.decode_side import DecodeSide
 from transfer.layout import page_view
@@ -40,6 +40,17 @@ from transfer.stats import LinkStats
 log = logging.getLogger(__name__)
 _TIMER_PERIOD_S = 0.05
 _BG_MIN_PASS_S = 0.002  # the progress thread runs at most ~500 busy passes a second
+
+
+def make_backend(name: str, engine_id: str) -> DataBackend:
+    """The data backend called `name` (contract: transfer/backend.py): "fake" or "ucx"."""
+    if name == "fake":
+        return FakeBackend(engine_id)
+    if name == "ucx":
+        from transfer.ucx_backend import UcxBackend  # imports ucxx (UCX's libraries) only when used
+
+        return UcxBackend()
+    raise ValueError(f"unknown transfer backend {name!r}")
 
 
 class TransferManager:

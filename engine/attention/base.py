@@ -1,4 +1,5 @@
-"""Attention backend interface over the paged KV pool (layout: docs/architecture.md).
+"""Attention backend interface over the paged KV pool (layout: docs/architecture.md); the backends
+themselves are picked by name in engine/attention/registry.py.
 
 A backend computes attention for a batch of requests whose new tokens' K/V are already written to
 the pool. Query i of request b sits at absolute position p = seq_lens[b] - q_lens[b] + i and attends
@@ -73,24 +74,3 @@ def build_metadata(
         max_q_len=max(q_lens, default=0),
     )
 
-
-def create_backend(name: str) -> AttentionBackend:
-    """Factory; GPU-only imports stay inside so the package imports on a CPU. "cpu" falls back to
-    "torch" (with a log line from engine/native) where the native kernels cannot be built."""
-    if name == "cpu":
-        from engine.attention.cpu_native import CpuAttention
-        from engine.native import NativeKernels
-
-        native = NativeKernels.get()
-        if native is not None:
-            return CpuAttention(native)
-        name = "torch"
-    if name == "torch":
-        from engine.attention.torch_ref import TorchAttention
-
-        return TorchAttention()
-    if name == "triton":
-        from engine.attention.triton_backend import TritonAttention
-
-        return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (cpu, torch or triton)")

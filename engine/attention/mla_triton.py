@@ -26,14 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.triton_kernels import LOG2E, NEG_BIG, _softmax_step
+
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_H = 16  # heads per program: tl.dot's minimum row count
 TARGET_PROGRAMS = 264  # splits grow until B * head_blocks * splits reaches this (2x H100 SMs)
 MAX_SPLITS = 16
-LOG2E = 1.4426950408889634
-# finite "minus infinity" (rows with no tokens stay NaN-free); constexpr: compiled kernels may only read
-# constexpr globals
-NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit(do_not_specialize=["num_heads"])  # one compile for any head count
@@ -97,13 +95,7 @@ def mla_decode_stage1_kernel(
             k_pe = k_pe.to(tl.float32)
         s = tl.dot(q_lat, tl.trans(c_kv), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _softmax_step(s, c_kv, acc, m_i, l_i, n_mask[None, :], DOT_PRECISION)  # [BLOCK_H, BLOCK_R]
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

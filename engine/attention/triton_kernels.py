@@ -2,6 +2,9 @@
 
 Two kernels, both reading every key and value straight from the pool through the page table:
 
+Both run the same online-softmax step per block of keys (`_softmax_step`, which the MLA decode kernel
+shares); they differ in the rows a program owns and in which keys each row sees.
+
 - decode: one query per request. Grid (B, Hkv, num_splits): a program takes the GROUP query heads
   that share one KV head (padded to BLOCK_H rows so `tl.dot` applies) and one slice of the
   request's keys, runs an online softmax over BLOCK_N-key blocks and writes a normalized partial
@@ -50,6 +53,43 @@ def _load_kv_block(
 
 
 @triton.jit
+def _softmax_step(s, v, acc, m_i, l_i, visible, DOT_PRECISION: tl.constexpr):
+    """One block of keys of the online softmax every attention kernel runs (base 2, fp32 statistics;
+    engine/attention/mla_triton.py too).
+
+    s [R, BLOCK_N]: scores already scaled by scale * log2(e), for R query rows (a decode's heads, an
+    extend's queries); v [BLOCK_N, Dv]: the block's values; visible [R or 1, BLOCK_N]: the keys each row
+    may see; acc [R, Dv], m_i and l_i [R]: running output, max and sum -> the updated (acc, m_i, l_i).
+    A row that has seen no key yet adds nothing (its max is still NEG_BIG)."""
+    s = tl.where(visible, s, NEG_BIG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_block(
+    q, acc, m_i, l_i, visible, k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The paged kernels' step over keys and values at cache positions offs_n [BLOCK_N] (n_mask: inside
+    the loop's range): gather both from the pool, score q [R, BLOCK_D], then `_softmax_step`."""
+    k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
+                       stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
+    v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
+                       stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
+    return _softmax_step(s, v, acc, m_i, l_i, visible, DOT_PRECISION)
+
+
+@triton.jit
 def decode_stage1_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, q_starts_ptr, mid_ptr, lse_ptr,
     qk_scale,  # scale * log2(e)
@@ -95,22 +135,11 @@ def decode_stage1_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + offs_n0
         n_mask = offs_n < hi
-        k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
-                           stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
-                           stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, n_mask[None, :], k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
+            qk_scale, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+            PAGE_SIZE, DOT_PRECISION, UPCAST,
+        )  # acc [BLOCK_H, BLOCK_D]
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -202,25 +231,14 @@ def extend_kernel(
     for start in range(begin, end, BLOCK_N):
         offs_n = start + offs_n0
         n_mask = offs_n < end
-        k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
-                           stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
         if window > 0:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, NEG_BIG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
-                           stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, visible, k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
+            qk_scale, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
+            PAGE_SIZE, DOT_PRECISION, UPCAST,
+        )  # acc [BLOCK_M, BLOCK_D]
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(

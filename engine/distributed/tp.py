@@ -5,8 +5,8 @@ intermediate) hold `split(n)` of their outputs, row-parallel ones (o, down) the 
 their partial outputs are summed by `all_reduce`. KV heads: `kv_heads(n)`, replicated when the group
 is larger than n (GQA), as the anchors do. `SINGLE` is the group of one (no communication at all).
 
-The process-group plumbing (one process per rank, rank 0 driving the others) lives beside the
-runner; the model only ever sees a TPGroup.
+The process-group plumbing (one process per rank, rank 0 driving the others) is tp_ranks.py and
+tp_runner.py; the model only ever sees a TPGroup.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,6 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place; x itself when the group is one rank."""
         if self.size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(x, group=self.group)
         return x
 

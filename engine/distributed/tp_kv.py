@@ -15,7 +15,7 @@ talks to any decode TP and TP=1 <-> TP=1 moves the pool's own pages with no copy
 
 Both are collectives: every rank of the group calls them in the same order, on the worker thread
 (`gather(runner, pages)` / `scatter(runner, pages, data)` on rank 0 broadcast the rank ops
-`kv_gather` / `kv_scatter` through `runner.collective`, engine/distributed/tp_ranks.py), never from the
+`kv_gather` / `kv_scatter` through `runner.collective`, engine/distributed/tp_runner.py), never from the
 transfer's progress thread. The page ids travel with the op; the KV itself moves only in the
 gather/scatter collectives (rank 0's received pages are never pickled to the other ranks). A pool that
 holds every head on every rank (no KV sharding) gathers from rank 0 alone and scatters the full page.
@@ -30,14 +30,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from engine.distributed.tp import TPGroup
 from engine.distributed.tp_ranks import rank_op
+from engine.forward.model_runner import ModelRunner
 
 if TYPE_CHECKING:
-    from engine.forward.model_runner import ModelRunner
+    from engine.distributed.tp_runner import AnyRunner
 
-_OUTGOING: dict[int, torch.Tensor] = {}  # id(rank 0's runner) -> the pages kv_scatter hands out (never pickled)
+_OUTGOING: dict[int, torch.Tensor] = {}  # id(rank 0's pool) -> the pages kv_scatter hands out (never pickled)
 
 
 def head_slices(num_kv_heads: int, size: int, pool_heads: int | None = None) -> list[tuple[int, int]]:
@@ -92,8 +94,6 @@ def gather_pages(pool: torch.Tensor, tp: TPGroup, num_kv_heads: int, pages: list
         if tp.size > 1 and not tp.driver:
             return None
         return to_wire(shard)
-    import torch.distributed as dist
-
     shards = [torch.empty_like(shard) for _ in range(tp.size)] if tp.driver else None
     dist.gather(shard, shards, group=tp.group, group_dst=0)
     if not tp.driver:
@@ -120,8 +120,6 @@ def scatter_pages(pool: torch.Tensor, tp: TPGroup, num_kv_heads: int, pages: lis
     else:
         parts, mine = None, pool.new_empty(local)
     if tp.size > 1:
-        import torch.distributed as dist
-
         dist.scatter(mine, parts, group=tp.group, group_src=0)
     idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
     pool.index_copy_(0, idx, mine)
@@ -139,27 +137,25 @@ def broadcast_latent(pool: torch.Tensor, tp: TPGroup, pages: list[int], data: to
     else:
         pages_t = pool.new_empty((len(pages), *pool.shape[1:]))
     if tp.size > 1:
-        import torch.distributed as dist
-
         dist.broadcast(pages_t, group=tp.group, group_src=0)
     pool.index_copy_(0, torch.tensor(pages, dtype=torch.long, device=pool.device), pages_t)
 
 
-def gather(runner: ModelRunner, pages: list[int]) -> torch.Tensor:
+def gather(runner: AnyRunner, pages: list[int]) -> torch.Tensor:
     """Rank 0: the pages' full wire bytes, uint8 [len(pages), wire page_bytes], gathered from every rank."""
-    out = runner.collective("kv_gather", pages=list(pages))
+    out = runner.collective(_kv_gather, pages=list(pages))
     assert out is not None, "rank 0's kv_gather returns the pages"
     return out
 
 
-def scatter(runner: ModelRunner, pages: list[int], data: torch.Tensor) -> None:
+def scatter(runner: AnyRunner, pages: list[int], data: torch.Tensor) -> None:
     """Rank 0: store received full pages (uint8 [len(pages), wire page_bytes]) into every rank's pool
     at `pages`, each rank its own heads."""
-    _OUTGOING[id(runner)] = data
+    _OUTGOING[id(runner.pool)] = data
     try:
-        runner.collective("kv_scatter", pages=list(pages))
+        runner.collective(_kv_scatter, pages=list(pages))
     finally:
-        _OUTGOING.pop(id(runner), None)
+        _OUTGOING.pop(id(runner.pool), None)
 
 
 @rank_op("kv_gather")
@@ -169,5 +165,5 @@ def _kv_gather(runner: ModelRunner, pages: list[int]) -> torch.Tensor | None:
 
 @rank_op("kv_scatter")
 def _kv_scatter(runner: ModelRunner, pages: list[int]) -> None:
-    data = _OUTGOING.get(id(runner)) if runner.tp.driver else None
+    data = _OUTGOING.get(id(runner.pool)) if runner.tp.driver else None
     scatter_pages(runner.pool.buffer, runner.tp, runner.model_cfg.num_kv_heads, pages, data)

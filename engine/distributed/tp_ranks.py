@@ -1,25 +1,28 @@
 """Tensor-parallel ranks: one process per rank, one scheduler, rank 0 drives (docs/architecture.md,
 "Tensor parallelism").
 
-Rank 0 is the service's worker process (frontend channels, scheduler, sampling, transfer control).
-Ranks 1..N-1 run only a ModelRunner shard in `rank_loop`: receive an op, run it. Rank 0's runner
-broadcasts every op that touches model or KV data before running it itself:
+Rank 0 is the service's worker process (frontend channels, scheduler, sampling, transfer control);
+its runner is a TPRunner (engine/distributed/tp_runner.py) over its own ModelRunner shard. Ranks
+1..N-1 run only a plain ModelRunner shard in `rank_loop`: receive an op, run it. Rank 0 broadcasts
+every op that touches model or KV data before running it itself:
 
-    rank 0 (driver)                                  rank r > 0
-    runner.forward(segments)                         rank_loop(runner)
-      send("forward", segments) ------------------>    recv -> OPS["forward"](runner, segments)
-      run_forward(segments): model (all-reduces) <-->  run_forward(segments): model (all-reduces)
-      -> logits (rank 0 only)                          -> nothing (no LM head here)
+    rank 0 (TPRunner)                                rank r > 0
+    runner.forward(batch)                            rank_loop(runner)
+      send(run_segments, batch.segments) -------->     recv -> run_segments(runner, segments)
+      ModelRunner.forward(batch): model <--------->    forward(build_batch(segments)): model
+        (all-reduces) -> logits (rank 0 only)            (all-reduces) -> nothing (no LM head here)
     KVManager.fork -> pool.copy_pages(src, dst) ---->  copy_pages(src, dst)
     retraction: host.offload(pages) (rank 0 picks     offload/reload the same page lists, each
       the host pages) / host.reload(host, pages) --->   rank its own KV heads
 
-The tokens of every segment travel with the forward op, so a token sampled on rank 0 reaches every
-rank without another collective; only rank 0 gets logits (sampling, grammars, penalties, logprobs and
-seeds are unchanged). Page ids are rank 0's: its allocators are the only ones (a host free is
-bookkeeping there and moves nothing). `runner.collective(name, **kwargs)` runs any op registered
-with `@rank_op(name)` on every rank and returns rank 0's result (engine/distributed/tp_kv.py registers the KV
-gather/scatter of the transfer this way); a rank imports the op's module on first use.
+The segments of every forward travel with the op (each rank builds the same ForwardBatch from them),
+so a token sampled on rank 0 reaches every rank without another collective; only rank 0 gets logits
+(sampling, grammars, penalties, logprobs and seeds are unchanged). Page ids are rank 0's: its
+allocators are the only ones (a host free is bookkeeping there and moves nothing).
+`runner.collective(op, **kwargs)` runs op(runner, **kwargs), any module-level function, on every rank
+and returns rank 0's result (engine/distributed/tp_kv.py runs the KV gather/scatter of the transfer
+this way, engine/extras/lora/runner.py adapter loads); an op travels as its module and name, and a
+rank imports the op's module on first use. `@rank_op(name)` names the ops of this package.
 
 Groups: control messages go over a gloo group of their own (CPU, also under NCCL) whose timeout is
 IDLE_TIMEOUT, since ranks 1..N-1 wait in it while the service is idle; the model's all-reduce over
@@ -34,20 +37,25 @@ from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing as mp
 import os
+import signal
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from multiprocessing.connection import wait
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpus import threads_per_worker
 from engine.distributed.tp import SINGLE, TPGroup
+from engine.forward.forward_batch import Segment, build_batch
+from engine.forward.model_runner import ModelRunner, Shard
 from engine.kvcache.memory import HostKVPool, KVPool, _runs
-
-if TYPE_CHECKING:
-    from engine.forward.model_runner import ModelRunner
+from engine.models.embedded import resolve_model_path
 
 log = logging.getLogger("pdserve.tp")
 
@@ -55,12 +63,13 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank must join within this (
 IDLE_TIMEOUT = timedelta(days=3650)  # ranks > 0 wait for rank 0's next op this long (an idle service)
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)  # one all-reduce (NCCL: a hung peer fails after this)
 
-RankOp = Callable[..., Any]
+
+RankOp = Callable[..., Any]  # op(runner, **kwargs), a module-level function
 OPS: dict[str, RankOp] = {}
 
 
 def rank_op(name: str) -> Callable[[RankOp], RankOp]:
-    """Register fn(runner, **kwargs) as rank op `name`: `runner.collective(name, **kwargs)` runs it on
+    """Name fn(runner, **kwargs) rank op `name` (returns fn): `runner.collective(fn, **kwargs)` runs it on
     every rank of the group (rank 0 sends it, then runs it too) and returns rank 0's result."""
     def register(fn: RankOp) -> RankOp:
         if OPS.get(name, fn) is not fn:
@@ -96,8 +105,6 @@ def rank_device(cfg: EngineConfig, rank: int) -> str:
 
 def rank_threads(cfg: EngineConfig) -> int:
     """Torch threads of one rank: --threads, else this node's CPU budget split across its ranks."""
-    from engine.cpus import threads_per_worker
-
     return cfg.threads or threads_per_worker(cfg.tp // cfg.nnodes)
 
 
@@ -110,13 +117,27 @@ def check_model(mc: ModelConfig, tp: int) -> None:
             "moe_intermediate_size" if mc.moe else "intermediate_size")
 
 
+def rank_shard(cfg: EngineConfig, rank: int, tp: TPGroup, driver: Driver | None = None) -> Shard:
+    """Rank `rank`'s placement: its group, device and threads; rank 0's pools send their page moves."""
+    threads = rank_threads(cfg) if cfg.device == "cpu" else 0
+    if driver is None:
+        return Shard(tp, rank_device(cfg, rank), threads)
+    return Shard(tp, rank_device(cfg, rank), threads, lambda *a, **k: DrivenKVPool(driver, *a, **k),
+                 lambda *a, **k: DrivenHostKVPool(driver, *a, **k))
+
+
+def rank_runner(cfg: EngineConfig, rank: int) -> tuple[ModelRunner, Any]:
+    """A rank > 0: join the group, load this rank's shard. (its ModelRunner, the control group)."""
+    check_model(ModelConfig.from_dir(resolve_model_path(cfg.model)), cfg.tp)
+    tp, ctrl = join(cfg, rank)
+    return ModelRunner(cfg, rank_shard(cfg, rank, tp)), ctrl
+
+
 # ---- process groups ------------------------------------------------------------------------------
 def join(cfg: EngineConfig, rank: int) -> tuple[TPGroup, Any]:
     """Join the TP group as `rank`: (the model's TPGroup, the control group). (SINGLE, None) for tp 1."""
     if cfg.tp == 1:
         return SINGLE, None
-    import torch.distributed as dist
-
     if not cfg.dist_init_addr:
         raise ValueError("--tp > 1 needs --dist-init-addr (the launcher picks one on a single node)")
     device = rank_device(cfg, rank)
@@ -134,8 +155,6 @@ def join(cfg: EngineConfig, rank: int) -> tuple[TPGroup, Any]:
 
 def leave() -> None:
     """Destroy this process's groups (idempotent)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -147,15 +166,15 @@ class Driver:
         self.ctrl = ctrl
         self.closed = False
 
-    def send(self, name: str, kwargs: dict[str, Any]) -> None:
-        """Broadcast op `name` (registered) with its arguments; RankLost if a rank is gone."""
-        import torch.distributed as dist
-
+    def send(self, op: RankOp, kwargs: dict[str, Any]) -> None:
+        """Broadcast op (a module-level function) with its arguments; RankLost if a rank is gone."""
         if self.closed:
             raise RankLost("the tensor-parallel group is closed")
-        fn = OPS[name]
+        name = op.__qualname__
+        if not name.isidentifier():
+            raise ValueError(f"a rank op is a module-level function, not {op.__module__}.{name}")
         try:
-            dist.broadcast_object_list([(fn.__module__, name, kwargs)], src=0, group=self.ctrl)
+            dist.broadcast_object_list([(op.__module__, name, kwargs)], src=0, group=self.ctrl)
         except RuntimeError as e:
             self.closed = True
             raise RankLost(f"tensor-parallel rank lost while sending {name!r}: {e}") from e
@@ -165,7 +184,7 @@ class Driver:
         if self.closed:
             return
         try:
-            self.send("stop", {})
+            self.send(_stop, {})
         except RankLost:
             pass
         self.closed = True
@@ -173,24 +192,18 @@ class Driver:
 
 def rank_loop(runner: ModelRunner, ctrl: Any) -> None:
     """Ranks 1..N-1: run rank 0's ops in order until it sends "stop". RuntimeError when rank 0 is gone."""
-    import torch.distributed as dist
-
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
         module, name, kwargs = box[0]
-        if name == "stop":
+        op = getattr(importlib.import_module(module), name)  # imported on first use
+        if op is _stop:
             return
-        if name not in OPS:
-            importlib.import_module(module)  # registers it
-        OPS[name](runner, **kwargs)
+        op(runner, **kwargs)
 
 
 def watch_parent() -> None:
     """Exit this process (1) as soon as its parent process is gone: a rank never outlives its service."""
-    import multiprocessing as mp
-    from multiprocessing.connection import wait
-
     parent = mp.parent_process()
     if parent is None:
         return
@@ -206,16 +219,12 @@ def watch_parent() -> None:
 def run_rank(cfg: EngineConfig, rank: int) -> None:
     """A rank > 0 process: join, load the shard, run ops until rank 0 stops (exit 0) or is lost (exit 1).
     Leaves with os._exit: a gloo group torn down by interpreter exit after a lost peer aborts."""
-    import signal
-
-    from engine.forward.model_runner import ModelRunner
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service's frontend owns Ctrl-C and stops us
     watch_parent()
     code = 0
     try:
-        runner = ModelRunner(cfg, rank=rank)
-        rank_loop(runner, runner.ctrl)
+        runner, ctrl = rank_runner(cfg, rank)
+        rank_loop(runner, ctrl)
         log.info("tensor-parallel rank %d stopped by rank 0", rank)
     except Exception as e:  # noqa: BLE001 - a rank reports why it ends, then exits non-zero
         log.error("tensor-parallel rank %d exits: %s", rank, e)
@@ -228,8 +237,6 @@ def spawn_ranks(cfg: EngineConfig, target: Callable[..., None] = run_rank,
                 args: tuple[Any, ...] = ()) -> list[Any]:
     """Start this node's ranks other than global rank 0 as `spawn` processes running
     target(*args, rank) (default: run_rank(cfg, rank)); returns them, started."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     procs = []
     for r in local_ranks(cfg):
@@ -250,7 +257,7 @@ class DrivenKVPool(KVPool):
         self.driver = driver
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        self.driver.send("copy_pages", {"src": src, "dst": dst})
+        self.driver.send(_copy_pages, {"src": src, "dst": dst})
         super().copy_pages(src, dst)
 
 
@@ -263,11 +270,11 @@ class DrivenHostKVPool(HostKVPool):
 
     def offload(self, device: KVPool, pages: list[int]) -> list[int]:
         host = super().offload(device, pages)
-        self.driver.send("host_offload", {"pages": pages, "host": host})
+        self.driver.send(_host_offload, {"pages": pages, "host": host})
         return host
 
     def reload(self, device: KVPool, host: list[int], pages: list[int]) -> None:
-        self.driver.send("host_reload", {"host": host, "pages": pages})
+        self.driver.send(_host_reload, {"host": host, "pages": pages})
         super().reload(device, host, pages)
 
 
@@ -277,8 +284,9 @@ def _stop(runner: ModelRunner) -> None:
 
 
 @rank_op("forward")
-def _forward(runner: ModelRunner, segments: list[Any]) -> list[torch.Tensor | None]:
-    return runner.run_forward(segments)
+def run_segments(runner: ModelRunner, segments: list[Segment]) -> None:
+    """Ranks > 0: the batch rank 0 built from the same segments (no logits here)."""
+    runner.forward(build_batch(segments, runner.page_size))
 
 
 @rank_op("copy_pages")

@@ -1,6 +1,7 @@
 """Per-request model extras (SGLang's `return_hidden_states`, `input_embeds`, `token_ids_logprob`):
-what a request asked for, what the engine computed for it, and the hooks the forward and the
-batch executor call. Nothing here runs for a request that asked for none of them.
+what a request asked for, what it adds to the forward batch (`prepare`: `InputEmbeds`,
+`CaptureHidden`, as Segment.extras), and the hooks the batch executor calls after the forward.
+Nothing here runs for a request that asked for none of them.
 
 Hidden states are the last layer's, after the final norm (the rows the LM head reads): SGLang's
 `meta_info.hidden_states`, and transformers' `output_hidden_states[-1]`. Shape as SGLang reports
@@ -19,12 +20,9 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from engine.forward.model_runner import Segment
 
 PLACEHOLDER_ID = 0  # the prompt ids of an input_embeds request (never read by the model)
 
@@ -60,55 +58,60 @@ def make_features(hidden: bool = False, embeds: bytes = b"", rows: int = 0,
     return f
 
 
-# ---- forward hooks (engine.forward.model_runner) --------------------------------------------------------
-@torch.inference_mode()
-def batch_embeds(segments: list[Segment], embed: torch.nn.Module, ids: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor | None:
-    """The input rows [T, H] of a batch where some segment carries input embeddings (None when none
-    does: the model looks its ids up itself)."""
-    if all(s.embeds is None for s in segments):
-        return None
-    x = embed(ids)
-    off = 0
-    for s in segments:
-        n = len(s.tokens)
-        if s.embeds is not None:  # a resumed prompt's output ids follow its embeddings: rows < n
-            x[off : off + s.embeds.shape[0]] = s.embeds.to(device=x.device, dtype=dtype)
-        off += n
-    return x
+# ---- what a request adds to the forward batch (engine/forward/forward_batch.py: Segment.extras) ------
+class _Inputs(Protocol):
+    """The ForwardBatch fields these extras fill (engine/forward/forward_batch.py)."""
+
+    new_lens: list[int]
+    embeds: list[tuple[int, torch.Tensor]] | None
+    capture: list[tuple[int, int, int]] | None
 
 
-def capture_hidden(segments: list[Segment], hidden: torch.Tensor) -> None:
-    """Give each segment that asked (`Segment.hidden`) its rows of the final hidden states, fp32 on the
-    CPU (`Segment.hidden_out` [n, H])."""
-    off = 0
-    for s in segments:
-        n = len(s.tokens)
-        if s.hidden:
-            s.hidden_out = hidden[off : off + n].float().cpu()
-        off += n
+@dataclass(frozen=True, slots=True)
+class InputEmbeds:
+    """A prompt chunk's input embeddings: they replace the embedding lookup of its first rows."""
+
+    rows: torch.Tensor  # float32 [n, H] (a resumed prompt's output ids follow its embeddings: n <= tokens)
+
+    def add(self, batch: _Inputs, seg: int, row: int) -> None:
+        if batch.embeds is None:
+            batch.embeds = []
+        batch.embeds.append((row, self.rows))
 
 
-# ---- batch hooks (engine.forward.batch) ------------------------------------------------------------------
-def prepare(seg: Segment, f: Features, start: int, prompt: bool) -> None:
-    """Ask the segment of a request's tokens [start, start + n) for what the request needs."""
+@dataclass(frozen=True, slots=True)
+class CaptureHidden:
+    """Return the segment's final hidden states (ForwardOutput.hidden: fp32 [n, H] on the CPU)."""
+
+    def add(self, batch: _Inputs, seg: int, row: int) -> None:
+        if batch.capture is None:
+            batch.capture = []
+        batch.capture.append((seg, row, batch.new_lens[seg]))
+
+
+CAPTURE = CaptureHidden()
+
+
+def prepare(f: Features, start: int, n: int, prompt: bool) -> tuple[InputEmbeds | CaptureHidden, ...]:
+    """What the segment of a request's tokens [start, start + n) adds to the batch (Segment.extras)."""
     if not f.active:
-        return
-    seg.hidden = f.hidden
+        return ()
+    extras: tuple[InputEmbeds | CaptureHidden, ...] = (CAPTURE,) if f.hidden else ()
     if prompt and f.embeds is not None and start < f.embeds.shape[0]:
-        seg.embeds = f.embeds[start : start + len(seg.tokens)]
+        extras += (InputEmbeds(f.embeds[start : start + n]),)
+    return extras
 
 
-def collect(seg: Segment, f: Features, prompt: bool) -> None:
-    """Keep the hidden states a segment computed: prompt rows, or the decode step's one row."""
-    if seg.hidden_out is None:
+# ---- after the forward (engine.forward.batch) -----------------------------------------------------------
+def collect(hidden: torch.Tensor | None, f: Features, prompt: bool) -> None:
+    """Keep the hidden states a segment captured (fp32 [n, H]): prompt rows, or the decode step's one row."""
+    if hidden is None:
         return
-    rows = seg.hidden_out.tolist()
+    rows = hidden.tolist()
     if prompt:
         f.hidden_prompt.extend(rows)
     else:
         f.hidden_output.append(rows[-1])
-    seg.hidden_out = None
 
 
 def ids_logprobs(logits: torch.Tensor, ids: list[int]) -> list[list[float]]:

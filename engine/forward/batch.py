@@ -7,6 +7,11 @@ conditions. A request with forks (n > 1, engine.scheduling.parallel) has each fo
 its own last prompt row as well, each with the fork's own seed. Pages must already be allocated (KVManager.grow).
 A decode request with a speculative draft (`req.spec.draft`, engine/extras/speculative) runs its last token
 plus the draft as one segment with logits at every position; engine.extras.speculative.verify emits its tokens.
+
+Prepare, run, sample: `_segments` turns the step's requests into segments, each with what its extras
+add to the batch (`Segment.extras`: input embeddings and hidden-state capture from
+engine/extras/features.py, the LoRA adapter from engine/extras/lora/batch.py); `forward_segments`
+builds the ForwardBatch once and runs it; the logits rows then go to the sampler.
 """
 
 from __future__ import annotations
@@ -16,8 +21,17 @@ from dataclasses import dataclass
 import torch
 
 from engine.extras import features
+from engine.extras.lora.batch import Adapter
 from engine.extras.speculative.verify import verify
-from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE, ModelRunner, Segment
+from engine.forward.forward_batch import (
+    LOGITS_ALL,
+    LOGITS_LAST,
+    LOGITS_NONE,
+    BatchExtra,
+    Runner,
+    Segment,
+    forward_segments,
+)
 from engine.request import Req
 from engine.sampling.logprobs import TopK, token_logprobs
 from engine.sampling.sampler import Sampler
@@ -42,37 +56,26 @@ class StepResult:
 
 
 class BatchExecutor:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, stops: StopChecker) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler, stops: StopChecker) -> None:
         self.runner = runner
         self.sampler = sampler
         self.stops = stops
         self.forward_tokens = 0
 
     def run(self, extend: list[ExtendItem], decode: list[Req]) -> StepResult:
-        segments: list[Segment] = []
-        for it in extend:
-            r = it.req
-            mode, skip = _logit_rows(it)
-            start = r.kv.kv_len
-            segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip,
-                                    r.lora))
-            features.prepare(segments[-1], r.features, start, prompt=True)
-        for r in decode:
-            assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
-            draft = r.spec.draft  # speculative: verify [last] + draft, logits at every position
-            segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,
-                                    LOGITS_ALL if draft else LOGITS_LAST, lora=r.lora))
-            features.prepare(segments[-1], r.features, r.kv.kv_len, prompt=False)
+        segments = _segments(extend, decode)
         if not segments:
             return StepResult([], [], [])
         self.forward_tokens += sum(len(s.tokens) for s in segments)
-        logits = self.runner.forward(segments)
+        out = forward_segments(self.runner, segments)
+        logits, hidden = out.logits, out.hidden  # hidden: None unless a segment captures its hidden states
 
         to_sample: list[tuple[Req, torch.Tensor]] = []
         verified: list[tuple[Req, torch.Tensor]] = []  # speculative decodes: rows [K+1, V]
-        for it, seg, lg in zip(extend, segments, logits[: len(extend)]):
+        for i, (it, seg, lg) in enumerate(zip(extend, segments, logits[: len(extend)])):
             r = it.req
-            features.collect(seg, r.features, prompt=True)
+            if hidden is not None:
+                features.collect(hidden[i], r.features, prompt=True)
             if seg.logits == LOGITS_ALL and lg is not None:
                 _input_logprobs(r, r.kv.kv_len + seg.skip, lg)
                 lg = lg[-1]
@@ -81,8 +84,9 @@ class BatchExecutor:
                 r.logprobs.input_done = r.logprobs.wants_input
                 to_sample.append((r, lg))
                 to_sample.extend((f, lg) for f in r.choice.forks)  # n > 1: each choice draws from this row
-        for r, seg, lg in zip(decode, segments[len(extend) :], logits[len(extend) :]):
-            features.collect(seg, r.features, prompt=False)
+        for i, (r, lg) in enumerate(zip(decode, logits[len(extend) :]), len(extend)):
+            if hidden is not None:
+                features.collect(hidden[i], r.features, prompt=False)
             if r.spec.draft:  # emitted below by the acceptance rule, kv_len advanced there
                 verified.append((r, lg))
                 continue
@@ -115,6 +119,31 @@ class BatchExecutor:
             r.append_token(tokens[i])
             self.stops.check(r)
         return reqs
+
+
+def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
+    """The step's segments: each extend item's prompt chunk, then each decode request's last token (plus
+    its speculative draft), each with what the request's extras add to the batch (no call for a
+    request without extras: this runs for every request of every step)."""
+    segments: list[Segment] = []
+    extras: tuple[BatchExtra, ...]
+    for it in extend:
+        r = it.req
+        mode, skip = _logit_rows(it)
+        start = r.kv.kv_len
+        extras = features.prepare(r.features, start, it.num_tokens, prompt=True) if r.features.active else ()
+        if r.lora:
+            extras = (*extras, Adapter(r.lora))
+        segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip, extras))
+    for r in decode:
+        assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
+        draft = r.spec.draft  # speculative: verify [last] + draft, logits at every position
+        extras = features.prepare(r.features, r.kv.kv_len, 1, prompt=False) if r.features.active else ()
+        if r.lora:
+            extras = (*extras, Adapter(r.lora))
+        segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,
+                                LOGITS_ALL if draft else LOGITS_LAST, 0, extras))
+    return segments
 
 
 def _first(top: TopK, k: int) -> TopK:

@@ -2,8 +2,10 @@
 admission rule.
 
 All page movement of a request goes through here, so "every page and host copy is freed" has one
-place to hold. The admission rule (`reservation`, `can_admit`) is written here once and used by the
-colocated scheduler, the PD decode's pre-allocation and the extend planner alike.
+place to hold. The admission rule (`KVManager.can_admit`, over `reservation` and `free_pages`) is
+written here once; every admission asks it: the extend planner (colocated, PD prefill, a PD decode's
+local prefill), preemption (engine.scheduling.priority, through the colocated scheduler or the PD
+decode) and the PD decode's pre-allocation of a prompt's pages.
 
 Sliding-window models (`window` > 0: every layer attends to at most that many tokens back) never
 read a page again once it lies wholly before the next query's window: `trim` frees such pages while
@@ -131,9 +133,11 @@ class KVManager:
             self.cache.evict(n - alloc.num_free)
         return alloc.allocate(n)
 
-    def extra_pages(self, req: Req, new_tokens: int) -> int:
-        """Pages req still needs so that kv_len + new_tokens tokens fit."""
-        return max(0, pages_for(req.kv.kv_len + new_tokens, self.page_size) - len(req.kv.pages))
+    def extra_pages(self, req: Req, new_tokens: int, prefix: int = 0) -> int:
+        """Pages req still needs so that kv_len + new_tokens tokens fit. `prefix`: tokens of a cached
+        prefix a request not yet matched would take (`prefix_len`), counted as held."""
+        ps = self.page_size
+        return max(0, pages_for(req.kv.kv_len + prefix + new_tokens, ps) - len(req.kv.pages) - prefix // ps)
 
     def grow(self, req: Req, new_tokens: int) -> None:
         n = self.extra_pages(req, new_tokens)
@@ -175,10 +179,15 @@ class KVManager:
             return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
         return None
 
-    def can_admit(self, need: int, own: int, reserved: int, busy: bool) -> bool:
-        """Admission: a new request's `need` pages now plus its `own` reservation must fit in the free
-        pages less `reserved` (the reservations of requests already admitted). With nothing else
-        holding pages (`busy` False) it only needs `need` free pages."""
+    def can_admit(self, req: Req, need: int, reserved: int, ratio: float, busy: bool) -> bool:
+        """The admission rule. `req` takes `need` pages now (what its admission allocates: a prompt
+        chunk, a whole prompt's KV, its forks' pages); they must be free, and while other requests hold
+        pages (`busy`), `need` plus req's own reservation (`reservation` at `ratio` of req and the
+        choices waiting on it; ratio 0: none, as for the prefill or a prompt's later chunk) must fit
+        in the free pages less `reserved` (what is kept for requests admitted before: their
+        reservations, and pages promised to them). With nothing else holding pages, `need` alone
+        decides, so a request the pool can hold is never refused forever."""
+        own = reservation([req, *req.choice.forks], ratio, self.page_size) if ratio else 0
         free = self.free_pages
         return need <= free and (not busy or need + own <= free - reserved)
 

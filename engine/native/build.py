@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models.embedded import cache_root
+from engine.paths import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,14 @@ KINDS = ("json_schema", "regex", "ebnf")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(error\.empty\(\)\) is false:\s*)?")
 
 
+def _xgr() -> Any:
+    """xgrammar, imported on first use: its import takes over a second and brings transformers, which a
+    process whose requests carry no grammar never needs (`Grammars.warm` pays it on a background thread)."""
+    import xgrammar
+
+    return xgrammar
+
+
 class Matcher(Protocol):
     """What the engine calls on a request's grammar matcher (xgrammar's GrammarMatcher)."""
 
@@ -100,9 +108,7 @@ class Grammars:
 
     def _xgr_compiler(self) -> Any:
         if self._compiler is None:
-            import xgrammar as xgr
-
-            self._compiler = xgr.GrammarCompiler(tokenizer_info(*self.key), max_threads=1, cache_enabled=False)
+            self._compiler = _xgr().GrammarCompiler(tokenizer_info(*self.key), max_threads=1, cache_enabled=False)
         return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
@@ -132,9 +138,7 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec, accepted: Sequence[int]) -> Matcher:
         """A fresh matcher for `spec` that has accepted `accepted` (tokens generated before)."""
-        import xgrammar as xgr
-
-        m = xgr.GrammarMatcher(self.compile(spec))
+        m = _xgr().GrammarMatcher(self.compile(spec))
         for t in accepted:
             if m.is_terminated() or not m.accept_token(int(t)):
                 break
@@ -142,12 +146,9 @@ class Grammars:
 
 
 @functools.lru_cache(maxsize=4)
-@functools.lru_cache(maxsize=4)
 def tokenizer_info(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
     """xgrammar's view of the model's tokenizer, built once per process (and key)."""
-    import xgrammar as xgr
-
-    return xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(model_path), vocab_size=vocab_size,
+    return _xgr().TokenizerInfo.from_huggingface(load_hf_tokenizer(model_path), vocab_size=vocab_size,
                                               stop_token_ids=list(stop_ids) or None)
 
 
@@ -160,6 +161,7 @@ def _warm(model_path: str, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
         log.warning("grammar tokenizer info for %s not built ahead: %s", model_path, e)
 
 
+@functools.lru_cache(maxsize=4)
 def load_hf_tokenizer(model_path: str) -> Any:
     """The model directory's HF tokenizer, loaded once per process (the roles of a test share it)."""
     from transformers import AutoTokenizer
@@ -170,8 +172,7 @@ def load_hf_tokenizer(model_path: str) -> Any:
 def mask_rows(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
     """Set to -inf, in place, every token the row's matcher forbids. logits: fp32 [n, V] (CPU), one
     matcher per row (None: no grammar). A terminated matcher's row is left alone (the request ends on that token)."""
-    import xgrammar as xgr
-
+    xgr = _xgr()
     live = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     if not live:
         return

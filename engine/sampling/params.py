@@ -1,4 +1,10 @@
-"""Sampling parameters of one request, validated on construction (ValueError with a message)."""
+"""Sampling parameters of one request, validated on construction (ValueError with a message).
+
+A service never builds them from a raw body: the body is parsed once by the request models
+(common/api_requests.py), and the frontend hands the validated model's values to `from_dict`, which
+turns JSON shapes into this value's (lists -> tuples, logit_bias -> sorted pairs, a schema object ->
+text). The checks here are the value's invariants, for the offline API (engine.engine.LLM) and the
+msgpack reader of a GenerateReq (common/codec.py: a bad frame raises, never a bad request)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.request import Choice, LogprobState, Req
+from engine.request_groups import LogprobParams
 
 MAX_N = 64  # choices per request (service.protocol refuses more with a 400)
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio
@@ -50,9 +51,9 @@ def add_choices(parent: Req, n: int) -> None:
     parent.choice.forks = [
         Req(rid=choice_rid(parent.rid, i), token_ids=parent.token_ids[: parent.num_prompt_tokens],
             sampling=dataclasses.replace(sp, seed=choice_seed(sp.seed, i)), stream=parent.stream,
-            logprobs=LogprobState(on=lp.on, top_k=lp.top_k), pd=parent.pd, created=parent.created,
+            logprobs=LogprobState(LogprobParams(on=lp.on, top_k=lp.top_k)), pd=parent.pd, created=parent.created,
             resumed_tokens=parent.resumed_tokens, choice=Choice(group=parent.rid, index=i),
-            extra_key=parent.extra_key, lora=parent.lora, priority=parent.priority)  # one cache namespace
+            options=parent.options)  # one cache namespace
         for i in range(1, n)
     ]
 

@@ -13,22 +13,26 @@ Request lifecycle (colocated):
    (engine.scheduling.lifecycle.finish_request) and everything to report goes to the `Outbox`, which the
    role drains (`drain`).
 
-Roles never touch the queues: they ask `load`, `counts`, `has_retracted`, `full`,
+With --enable-priority-scheduling, `waiting` is kept in the waiting order (engine.scheduling.policy)
+and, before planning, less urgent running requests may be retracted for the first new one
+(`preempt_for`, engine.scheduling.priority.preempt, with `admits_first_chunk` as the admission rule).
+
+Roles never touch the queues: they ask `load`, `counts`, `retracted`, `full`,
 `queued_prefill_tokens` and `reserved_pages`, act through `add`, `join_running`, `make_room`,
-`abort` and `step`, and report what `drain` returns.
+`preempt_for`, `abort` and `step`, and report what `drain` returns.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import NamedTuple
 
 from engine.config import EngineConfig
-from engine.extras.speculative.speculator import make_speculator
 from engine.extras.speculative.stats import SpecStats
-from engine.forward.batch import BatchExecutor, ExtendItem, StepResult
+from engine.forward.batch import BatchExecutor, StepResult
+from engine.forward.draft import make_speculator
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import HiCacheSpec
 from engine.kvcache.kv_manager import KVManager, reservation
@@ -38,7 +42,8 @@ from engine.sampling.sampler import Sampler
 from engine.sampling.stops import StopChecker, TailDecoder
 from engine.scheduling import priority
 from engine.scheduling.lifecycle import Outbox, finish_request
-from engine.scheduling.parallel import choices
+from engine.scheduling.planner import ExtendPlanner
+from engine.scheduling.policy import first_new, waiting_order
 from engine.stats import SchedulerStats
 
 
@@ -61,97 +66,6 @@ def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0
     if n >= context_length:
         return f"the prompt has {n} tokens; the context length is {context_length}"
     return kv.capacity_error(n, chunk)
-
-
-POLICIES = ("fcfs", "sjf", "lpm")
-
-
-def order_waiting(reqs: Iterable[Req], policy: str, aging_s: float, now: float,
-                  prefix_len: Callable[[Req], int] | None = None) -> list[Req]:
-    """The order in which waiting prompts are planned.
-
-    fcfs: arrival order. sjf (shortest uncomputed prompt first) and lpm (longest cached prefix
-    first, `prefix_len(req)` tokens; SGLang's policy): prompts already started come first, in
-    arrival order (their next chunk continues, so pages are not held idle); then every prompt that
-    has waited `aging_s` or longer, oldest first (the aging bound: a prompt waits at most about
-    aging_s plus the work already ahead of it); then the rest by the policy's key, ties by arrival."""
-    reqs = list(reqs)
-    if policy == "fcfs":
-        return reqs
-
-    def rank(r: Req) -> int:
-        if policy == "lpm":
-            return -(prefix_len(r) if prefix_len is not None else 0)
-        return r.num_prompt_tokens - r.kv.kv_len
-
-    def key(r: Req) -> tuple:
-        if r.kv.kv_len > 0:
-            return (0, r.created, 0)
-        if now - r.created >= aging_s:
-            return (1, r.created, 0)
-        return (2, rank(r), r.created)
-
-    return sorted(reqs, key=key)
-
-
-class ExtendPlanner:
-    """Picks one step's prompt chunks, FIFO: at most chunked_prefill_size tokens per request and
-    max_prefill_tokens per batch; a partial chunk ends the batch, and so does the first request that
-    does not fit. Pages are allocated for the chosen chunks (KVManager.grow).
-
-    reserve=True (colocated, decode): the admission rule applies (`KVManager.can_admit` with the
-    running requests' reservations), retracted requests are not planned here (nothing new is
-    admitted behind one, but a prompt already started continues: its pages would otherwise stay
-    held while the retracted request waits for them) and the running batch caps at
-    max_running_requests. reserve=False (prefill): a request leaves once its prompt is
-    computed, so only free pages count.
-
-    A new request first takes its cached prefix (KVManager.match); if it is then not admitted, the
-    match is undone (KVManager.unmatch), so a waiting request holds no lock.
-    """
-
-    def __init__(self, kv: KVManager, cfg: EngineConfig, reserve: bool = True) -> None:
-        self.kv, self.cfg, self.reserve = kv, cfg, reserve
-
-    def plan(self, waiting: Iterable[Req], running: list[Req] | None = None) -> list[ExtendItem]:
-        cfg, kv, running = self.cfg, self.kv, running or []
-        ratio = cfg.new_token_ratio if self.reserve else 0.0
-        reserved = reservation(running, ratio, kv.page_size)
-        budget = cfg.max_prefill_tokens
-        items: list[ExtendItem] = []
-        behind_retracted = False
-        for r in waiting:
-            if self.reserve and r.is_retracted:
-                behind_retracted = True  # reloads first: nothing new is admitted behind it
-                continue
-            new = not r.kv.pages and not r.kv.host_pages  # a new admission
-            if budget <= 0 or (new and behind_retracted) or \
-                    (self.reserve and len(running) + len(items) >= cfg.max_running_requests):
-                break
-            if new:
-                kv.match(r)
-            n = min(len(r.token_ids) - r.kv.kv_len, cfg.chunked_prefill_size, budget)
-            forks = fork_need(kv, r, n) if self.reserve else 0
-            own = reservation(choices(r), ratio, kv.page_size) if new else 0
-            if n <= 0 or not kv.can_admit(kv.extra_pages(r, n) + forks, own, reserved,
-                                          busy=bool(items or running)):
-                if new:
-                    kv.unmatch(r)
-                break
-            kv.grow(r, n)
-            reserved += own + forks  # the forks' pages are taken right after this step's forward
-            budget -= n
-            items.append(ExtendItem(r, n))
-            if not items[-1].completes_prompt:
-                break
-        return items
-
-
-def fork_need(kv: KVManager, r: Req, n: int) -> int:
-    """Pages r's forks (n > 1) take once a chunk of n tokens completes its prompt (0 before)."""
-    if not r.choice.forks or r.kv.kv_len + n < len(r.token_ids):
-        return 0
-    return len(r.choice.forks) * kv.fork_pages(r.num_prompt_tokens)
 
 
 Event = Callable[[str, Req], None]
@@ -212,9 +126,10 @@ class Scheduler:
     def counts(self) -> Counts:
         return Counts(len(self.waiting), len(self.running), sum(1 for r in self.waiting if r.is_retracted))
 
-    def has_retracted(self) -> bool:
-        """A retracted request waits to be reloaded (nothing new should be admitted before it)."""
-        return any(r.is_retracted for r in self.waiting)
+    def retracted(self) -> list[Req]:
+        """The retracted requests waiting to be reloaded (a PD decode orders its prealloc queue with
+        them: nothing new is admitted behind a more urgent one)."""
+        return [r for r in self.waiting if r.is_retracted]
 
     def full(self, pending: int = 0) -> bool:
         """The running cap (max_running_requests) is reached, counting `pending` requests the caller
@@ -235,32 +150,51 @@ class Scheduler:
     def step(self) -> None:
         """Schedule (reload, grow running requests, plan prompt chunks), run one forward, and
         postprocess: prompts done join `running`, sampled and finished requests go to the outbox."""
-        if self.cfg.enable_priority_scheduling:
-            self._prioritize()
+        now, prio = time.monotonic(), self.cfg.enable_priority_scheduling
+        if prio:
+            self._prioritize(now)
         self._reload_retracted()
-        if self.cfg.enable_priority_scheduling and priority.preempt(self, time.monotonic()):
-            self._prioritize()
+        if prio and self._preempt(now):
+            self._prioritize(now)
         decode = self._prepare_decode()
-        order = self.waiting
-        if self.cfg.enable_priority_scheduling:
-            order = list(self.waiting)  # already in priority order (with the policy's within a priority)
-        elif self.cfg.schedule_policy != "fcfs":
-            order = order_waiting(self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s,
-                                  time.monotonic(), self.kv.prefix_len)
+        # with priority `waiting` is kept in the waiting order (reload and preemption read its head)
+        order = self.waiting if prio else waiting_order(self.waiting, self.cfg, now, self.kv.prefix_len)
         extend = self.planner.plan(order, self.running)
         result = self.exec.run(extend, decode)
         self._postprocess(result)
 
-    def _prioritize(self) -> None:
-        """--enable-priority-scheduling: `waiting` in priority order (the policy's within a priority,
-        engine.scheduling.priority.order) and `running` most urgent first."""
-        now = time.monotonic()
-        base = list(self.waiting) if self.cfg.schedule_policy == "fcfs" else order_waiting(
-            self.waiting, self.cfg.schedule_policy, self.cfg.schedule_aging_s, now, self.kv.prefix_len)
-        ordered = priority.order(base, self.cfg, now)
+    def _prioritize(self, now: float) -> None:
+        """--enable-priority-scheduling: `waiting` in the waiting order (engine.scheduling.policy) and
+        `running` most urgent first (engine.scheduling.priority.sort_running)."""
+        ordered = waiting_order(self.waiting, self.cfg, now, self.kv.prefix_len)
         self.waiting.clear()
         self.waiting.extend(ordered)
-        priority.sort_running(self)
+        priority.sort_running(self.running, self.cfg)
+
+    def _preempt(self, now: float) -> int:
+        """Preemption for the first new request of the waiting order (none when a retracted one comes
+        first): the admission rule for its first prompt chunk (`admits_first_chunk`)."""
+        cand = first_new(self.waiting)
+        if cand is None:
+            return 0
+        return self.preempt_for(cand, lambda: self.admits_first_chunk(cand), now)
+
+    def preempt_for(self, cand: Req, admits: Callable[[], bool], now: float) -> int:
+        """Retract running requests less urgent than `cand` until `admits()` (engine.scheduling.priority
+        .preempt; a PD decode asks it for a prompt waiting for its KV pages); returns how many."""
+        return priority.preempt(cand, self.running, admits, self._retract_for_priority, self.cfg, now)
+
+    def admits_first_chunk(self, r: Req) -> bool:
+        """Whether the planner would admit r's first prompt chunk now beside the running batch, each
+        running request grown by one token (preemption asks before the decode grows them), r's
+        cached prefix counted as held."""
+        cfg, kv = self.cfg, self.kv
+        if len(self.running) >= cfg.max_running_requests:
+            return False
+        prefix = kv.prefix_len(r)
+        n = min(r.num_prompt_tokens - prefix, cfg.chunked_prefill_size, cfg.max_prefill_tokens)
+        grow = sum(kv.extra_pages(x, 1) for x in self.running)
+        return self.planner.admits(r, n, self.reserved_pages() + grow, bool(self.running), True, prefix)
 
     def _postprocess(self, result: StepResult) -> None:
         if self.spec is not None:
@@ -366,6 +300,13 @@ class Scheduler:
                 self.on_event("retract", r)
         else:
             self._finish(r, FinishReason.ERROR, "out of KV memory (device and host pools full)", 503)
+
+    def _retract_for_priority(self, r: Req) -> bool:
+        """Retract r for a preemption, only when the host pool can take its KV (never ended for it)."""
+        if not self.kv.can_offload(r):
+            return False
+        self.retract(r)
+        return True
 
     def reserved_pages(self) -> int:
         """Pages kept back for the running requests' future tokens (kv_manager.reservation)."""

@@ -14,7 +14,7 @@ import torch
 from common.procs import free_port
 from engine.config import EngineConfig
 from engine.distributed import tp_kv, tp_ranks
-from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, Segment
+from engine.forward.forward_batch import LOGITS_ALL, LOGITS_LAST, Segment, forward_segments
 from engine.kvcache.memory import pages_for
 from tests.engine.test_deepseek import GREEDY, _prompt, save_deepseek
 from tests.engine.test_tp import _serve
@@ -27,6 +27,7 @@ ENGINE = dict(max_total_tokens=1024, host_kv_tokens=256, page_size=8, chunked_pr
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):  # noqa: ANN001, ANN201
     """(transformers model, TP=1 runner, TP=2 rank-0 runner) of one random DeepSeek-V3."""
+    from engine.distributed.tp_runner import make_runner
     from engine.forward.model_runner import ModelRunner
 
     torch.set_num_threads(1)
@@ -36,7 +37,7 @@ def pair(tmp_path_factory):  # noqa: ANN001, ANN201
     cfg = EngineConfig(model=str(path), tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **ENGINE)
     procs = tp_ranks.spawn_ranks(cfg)
     try:
-        two = ModelRunner(cfg)
+        two = make_runner(cfg)
     except BaseException:
         for p in procs:
             p.kill()
@@ -51,7 +52,7 @@ def pair(tmp_path_factory):  # noqa: ANN001, ANN201
 def _logits(runner, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     pages = runner.pool.allocator.allocate(pages_for(len(ids), runner.page_size))
     try:
-        return torch.cat([runner.forward([Segment(pages, s, ids[s : s + 32], LOGITS_ALL)])[0]
+        return torch.cat([forward_segments(runner, [Segment(pages, s, ids[s : s + 32], LOGITS_ALL)]).logits[0]
                           for s in range(0, len(ids), 32)])
     finally:
         runner.pool.allocator.free(pages)
@@ -92,11 +93,11 @@ def test_latent_pages_received_once_reach_every_rank(pair) -> None:  # noqa: ANN
     p1 = one.pool.allocator.allocate(pages_for(len(ids) + 1, one.page_size))
     p2 = two.pool.allocator.allocate(len(p1))
     try:
-        one.forward([Segment(p1, 0, ids, LOGITS_LAST)])
+        forward_segments(one, [Segment(p1, 0, ids, LOGITS_LAST)])
         wire = page_view(one.pool.buffer)[torch.tensor(p1)].clone()  # uint8 [n, page_bytes]: what the wire moves
         tp_kv.scatter(two, p2, wire)
-        want = one.forward([Segment(p1, len(ids), [11], LOGITS_LAST)])[0]
-        got = two.forward([Segment(p2, len(ids), [11], LOGITS_LAST)])[0]
+        want = forward_segments(one, [Segment(p1, len(ids), [11], LOGITS_LAST)]).logits[0]
+        got = forward_segments(two, [Segment(p2, len(ids), [11], LOGITS_LAST)]).logits[0]
         assert (got - want).abs().max().item() < 1e-4
     finally:
         one.pool.allocator.free(p1)

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.sampling.params import SamplingParams
 from service import messages as m
-from tests.pd_harness import PDPair, collect, kv_manager
+from tests.pd_harness import PDPair, collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11, 200, 1, 2, 3, 4, 9, 8, 7, 6, 5, 4, 30, 31, 32]  # > one 16-token chunk
@@ -50,7 +50,7 @@ def role(cfg):
 def _serve(role: ColocatedRole, rid: str, ids: list[int], **fields) -> list[m.TokenOut]:
     outs: list[m.TokenOut] = []
     done: dict[str, m.TokenOut] = {}
-    collect(role.add(m.GenerateReq(rid=rid, input_ids=ids, sampling=SP, **fields)), {}, done, outs)
+    collect(role.add(generate_req(rid, ids, SP, **fields)), {}, done, outs)
     while rid not in done:
         collect(role.step(), {}, done, outs)
     assert done[rid].error is None, done[rid].error

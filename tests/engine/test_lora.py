@@ -15,8 +15,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLM
+from engine.extras.lora.batch import Adapter
 from engine.extras.lora.registry import LoRAError, LoRARegistry, parse_lora_paths
-from engine.forward.model_runner import LOGITS_ALL, Segment
+from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
 from engine.kvcache.memory import pages_for
 from engine.sampling.params import SamplingParams
 from tests.hf_oracle import hf_greedy
@@ -71,10 +72,16 @@ def _logits(llm: LLM, batch: list[tuple[list[int], str]]) -> list[torch.Tensor]:
     alloc = llm.runner.pool.allocator
     pages = [alloc.allocate(pages_for(len(ids), 16)) for ids, _ in batch]
     try:
-        return llm.runner.forward([Segment(p, 0, ids, LOGITS_ALL, lora=name) for p, (ids, name) in zip(pages, batch)])
+        return forward_segments(llm.runner, [Segment(p, 0, ids, LOGITS_ALL, 0, _adapter(name))
+                                             for p, (ids, name) in zip(pages, batch)]).logits
     finally:
         for p in pages:
             alloc.free(p)
+
+
+def _adapter(name: str) -> tuple[Adapter, ...]:
+    """A segment's extras for adapter `name` ("" = the base model: none)."""
+    return (Adapter(name),) if name else ()
 
 
 def _ref(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
@@ -195,6 +202,7 @@ def test_tp2_with_adapters_matches_tp1(tmp_path):
     from common.procs import free_port
     from engine.config import ModelConfig
     from engine.distributed import tp_ranks
+    from engine.distributed.tp_runner import make_runner
     from engine.extras.lora import runner as lora_runner
     from engine.extras.lora.adapter import write_random_adapter
     from engine.forward.model_runner import ModelRunner
@@ -210,7 +218,7 @@ def test_tp2_with_adapters_matches_tp1(tmp_path):
     cfg = EngineConfig(tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **eng)
     procs = tp_ranks.spawn_ranks(cfg)
     try:
-        two = ModelRunner(cfg)
+        two = make_runner(cfg)
         for r in (one, two):
             lora_runner.load(r, "b", str(b))
         ids = [(5 * i + 3) % 250 for i in range(19)]
@@ -218,7 +226,8 @@ def test_tp2_with_adapters_matches_tp1(tmp_path):
         outs = []
         for r in (one, two):
             pages = [r.pool.allocator.allocate(pages_for(len(x), 4)) for _, x in batch]
-            outs.append(r.forward([Segment(p, 0, x, LOGITS_ALL, lora=n) for p, (n, x) in zip(pages, batch)]))
+            outs.append(forward_segments(r, [Segment(p, 0, x, LOGITS_ALL, 0, _adapter(n))
+                                             for p, (n, x) in zip(pages, batch)]).logits)
         for (name, _), x1, x2 in zip(batch, *outs):
             assert (x1 - x2).abs().max().item() < 1e-4, name
         assert (outs[0][0][:7] - outs[0][1]).abs().max() > 1e-2  # the adapter changes the logits

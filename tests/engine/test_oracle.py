@@ -53,7 +53,7 @@ def test_continuous_batch_matches_one_at_a_time(llm, prompts, hf_greedy):
 
 def test_batched_logits_stay_within_tolerance(runner, prompts):
     """A mixed batch (several prompts in one forward) gives each prompt the logits it gets alone."""
-    from engine.forward.model_runner import LOGITS_ALL, Segment
+    from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
     from engine.kvcache.memory import pages_for
 
     alloc = runner.pool.allocator
@@ -61,10 +61,10 @@ def test_batched_logits_stay_within_tolerance(runner, prompts):
     alone = []
     for ids in sel:
         pages = alloc.allocate(pages_for(len(ids), 16))
-        alone.append(runner.forward([Segment(pages, 0, ids, LOGITS_ALL)])[0])
+        alone.append(forward_segments(runner, [Segment(pages, 0, ids, LOGITS_ALL)]).logits[0])
         alloc.free(pages)
     page_lists = [alloc.allocate(pages_for(len(ids), 16)) for ids in sel]
-    together = runner.forward([Segment(p, 0, ids, LOGITS_ALL) for p, ids in zip(page_lists, sel)])
+    together = forward_segments(runner, [Segment(p, 0, ids, LOGITS_ALL) for p, ids in zip(page_lists, sel)]).logits
     for p in page_lists:
         alloc.free(p)
     for a, b in zip(alone, together):

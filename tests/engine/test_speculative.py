@@ -27,7 +27,7 @@ from engine.kvcache.memory import HostKVPool, KVPool
 from engine.request import Req
 from engine.sampling.params import SamplingParams
 from service import messages as m
-from tests.pd_harness import PDPair, collect, kv_manager
+from tests.pd_harness import PDPair, collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
@@ -87,7 +87,7 @@ def run(cfg: EngineConfig, prompts: list[list[int]], sp: SamplingParams | list[S
     seen: list[m.TokenOut] = []
     for i, ids in enumerate(prompts):
         p = sp[i] if isinstance(sp, list) else sp
-        msg = m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=p, n=n, return_logprob=logprobs is not None)
+        msg = generate_req(f"r{i}", ids, p, n=n, return_logprob=logprobs is not None)
         collect(role.add(msg), tokens, done, seen)
     while len(done) < len(prompts) * n:
         collect(role.step(), tokens, done, seen)

@@ -25,7 +25,7 @@ from engine.distributed import tp_ranks
 from engine.kvcache.memory import pages_for
 from engine.sampling.params import SamplingParams
 from service import messages as m
-from tests.pd_harness import collect, kv_manager
+from tests.pd_harness import collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 FAMILIES = {
@@ -54,6 +54,7 @@ def _tiny(root: Path, family: str) -> Path:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(TP=1 runner, TP=2 rank-0 runner) over the same model; rank 1 runs in its own process."""
+    from engine.distributed.tp_runner import make_runner
     from engine.forward.model_runner import ModelRunner
 
     model = str(_tiny(tmp_path_factory.mktemp("tp"), request.param))
@@ -61,7 +62,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     cfg = EngineConfig(model=model, tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **ENGINE)
     procs = tp_ranks.spawn_ranks(cfg)
     try:
-        two = ModelRunner(cfg)
+        two = make_runner(cfg)
     except BaseException:
         for p in procs:
             p.kill()
@@ -86,7 +87,7 @@ def _serve(runner, prompts: list[list[int]], sampling: SamplingParams, n: int = 
     waves = [[i] for i in range(len(prompts))] if one_by_one else [list(range(len(prompts)))]
     for wave in waves:
         for i in wave:
-            role.add(m.GenerateReq(rid=f"r{i}", input_ids=prompts[i], sampling=sampling, n=n, **(fields or {})))
+            role.add(generate_req(f"r{i}", prompts[i], sampling, n=n, **(fields or {})))
         while len(done) < (wave[-1] + 1) * n:
             collect(role.step(), tokens, done, seen)
     assert all(o.error is None for o in done.values()), [o.error for o in done.values()]
@@ -106,7 +107,7 @@ def test_each_rank_holds_its_kv_heads(pair) -> None:  # noqa: ANN001
 
 @pytest.mark.slow
 def test_teacher_forced_logits_match_tp1(pair) -> None:  # noqa: ANN001
-    from engine.forward.model_runner import LOGITS_ALL, Segment
+    from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
 
     worst = 0.0
     for ids in PROMPTS:
@@ -114,7 +115,8 @@ def test_teacher_forced_logits_match_tp1(pair) -> None:  # noqa: ANN001
         for runner in pair:
             alloc = runner.pool.allocator
             pages = alloc.allocate(pages_for(len(ids), runner.page_size))
-            rows = [runner.forward([Segment(pages, s, ids[s : s + 16], LOGITS_ALL)])[0] for s in range(0, len(ids), 16)]
+            rows = [forward_segments(runner, [Segment(pages, s, ids[s : s + 16], LOGITS_ALL)]).logits[0]
+                    for s in range(0, len(ids), 16)]
             alloc.free(pages)
             out.append(torch.cat(rows))
         assert out[0].shape == (len(ids), 256)
@@ -153,15 +155,16 @@ def test_forks_prefix_hits_and_seeded_logprobs_match_tp1(pair) -> None:  # noqa:
 def _driver_then_op(cfg: EngineConfig, ready, go) -> None:  # noqa: ANN001
     """Rank 0 in a child process: one forward, `ready`, wait for `go`, one more op. Exit 3 when that op
     raises RankLost, 4 when it does not."""
-    from engine.forward.model_runner import ModelRunner, Segment
+    from engine.distributed.tp_runner import make_runner
+    from engine.forward.forward_batch import Segment, forward_segments
 
-    runner = ModelRunner(cfg)
+    runner = make_runner(cfg)
     pages = runner.pool.allocator.allocate(2)
-    runner.forward([Segment(pages, 0, [1, 2, 3])])
+    forward_segments(runner, [Segment(pages, 0, [1, 2, 3])])
     ready.set()
     go.wait(120)
     try:
-        runner.forward([Segment(pages, 3, [4])])
+        forward_segments(runner, [Segment(pages, 3, [4])])
     except tp_ranks.RankLost:
         os._exit(3)
     os._exit(4)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
-
-from engine.forward.model_runner import ModelRunner, Segment
+from engine.forward.model_runner import ForwardBatch, ForwardOutput, ModelRunner
 from prefill_service.worker import run_prefill_worker
 from service.config import ServerConfig
 from service.launch import run_main
@@ -27,11 +25,11 @@ class SlowFirstForwardRunner(ModelRunner):
 
     slept = False
 
-    def forward(self, segments: list[Segment]) -> list[torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if not self.slept:
             self.slept = True
             time.sleep(SLOW_S)
-        return super().forward(segments)
+        return super().forward(batch)
 
 
 def run_slow_prefill_worker(cfg: ServerConfig) -> None:

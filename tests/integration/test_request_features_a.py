@@ -105,6 +105,9 @@ def _burst(url: str, with_priority: bool) -> dict[str, dict]:
         threads.append(threading.Thread(target=_stream, args=(url, body, res[f"low{i}"])))
         threads[-1].start()
     wait_for(lambda: sum("ttft" in res[f"low{i}"] for i in range(4)) >= 2, 120, "2 low streams")
+    # the other 2 reached the server and wait for memory: the urgent one arrives after them (a busy box may
+    # run their client threads late, and FCFS would then rightly serve the urgent one first)
+    wait_for(lambda: _waiting(url) >= 2, 120, "2 low requests queued")
     high = {"input_ids": PROMPT[-HIGH[0]:], "sampling_params": {**long, "max_new_tokens": HIGH[1]}}
     if with_priority:
         high["priority"] = 10
@@ -113,6 +116,12 @@ def _burst(url: str, with_priority: bool) -> dict[str, dict]:
     for t in threads:
         t.join(300)
     return res
+
+
+def _waiting(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.search(r'^pdserve_worker_queues\{name="waiting"\} (\S+)', text, re.M)
+    return int(float(found.group(1))) if found else 0
 
 
 def _retractions(url: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from engine.request_groups import Bootstrap, Extras, LogprobParams, ReqOptions
 from engine.sampling.params import SamplingParams
 from service import messages as sm
 from service.stats import Counters, WorkerStats
@@ -13,8 +14,9 @@ from transfer import messages as tm
 
 def test_service_messages_round_trip_typed() -> None:
     req = sm.GenerateReq(rid="r", input_ids=[1, 2], sampling=SamplingParams(stop=("x",), max_new_tokens=3),
-                         bootstrap_host="h", bootstrap_port=1, bootstrap_room=5)
-    assert sm.decode(sm.encode(req)) == req
+                         pd=Bootstrap("h", 1, 5), logprobs=LogprobParams(True, 2, 0),
+                         options=ReqOptions(priority=3, extra_key="k"), extras=Extras(True, b"\0\0\0\0", [4]))
+    assert sm.decode(sm.encode(req)) == req  # the groups travel as typed maps inside the message
     batch = sm.TokenBatch(outs=[sm.TokenOut(rid="r", new_token_ids=[7], finished=True, finish_reason="stop")])
     assert sm.decode(sm.encode(batch)) == batch
     stats = sm.StatsOut(token=3, info={"model_path": "/m", "type": "not a message"},

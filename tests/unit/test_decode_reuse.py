@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.sampling.params import SamplingParams
 from service import messages as m
 from service.worker import flush_cache
-from tests.pd_harness import PDPair, collect
+from tests.pd_harness import PDPair, collect, generate_req
 from tests.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_abort_of_a_decode_cache_hit_releases_its_locks(model_dir: str) -> None:
         cache = pair.d_kv.cache
         assert cache is not None and cache.cached_pages > 0
         boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.p_mgr.bootstrap_port, "bootstrap_room": 7}
-        req = m.GenerateReq(rid="b", input_ids=ids + [7, 8, 9], sampling=GREEDY, **boot)
+        req = generate_req("b", ids + [7, 8, 9], GREEDY, **boot)
         pair.prefill.add(req)
         pair.decode.add(req)
         pair.decode.step()  # admitted: the cached prefix is matched and locked, the room opened
@@ -127,7 +127,7 @@ def test_abort_of_a_decode_cache_hit_releases_its_locks(model_dir: str) -> None:
 
         # the same after the KV arrived: a running request over the decode's cached prefix
         long = SamplingParams(temperature=0.0, max_new_tokens=500, ignore_eos=True)
-        req = m.GenerateReq(rid="c", input_ids=ids + [4, 5], sampling=long, **{**boot, "bootstrap_room": 8})
+        req = generate_req("c", ids + [4, 5], long, **{**boot, "bootstrap_room": 8})
         pair.prefill.add(req)
         pair.decode.add(req)
         tokens: dict[str, list[int]] = {}

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.sampling.params import SamplingParams
 from service import messages as m
-from tests.pd_harness import PDPair, collect, kv_manager
+from tests.pd_harness import PDPair, collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 PROMPT = [5, 17, 42, 99, 3, 7, 11, 200, 1, 2, 3, 4, 9, 8, 7, 6, 5, 4, 30, 31, 32]  # > one 16-token chunk
@@ -61,7 +61,7 @@ def _colocated(cfg: EngineConfig, **fields) -> list[m.TokenOut]:
     role = ColocatedRole(cfg, runner, kv_manager(runner))
     outs: list[m.TokenOut] = []
     done: dict[str, m.TokenOut] = {}
-    collect(role.add(m.GenerateReq(rid="r0", input_ids=PROMPT, sampling=SP, **fields)), {}, done, outs)
+    collect(role.add(generate_req("r0", PROMPT, SP, **fields)), {}, done, outs)
     while not done:
         collect(role.step(), {}, done, outs)
     return outs
@@ -149,9 +149,11 @@ def test_lm_head_rows_only_where_asked() -> None:
     from engine.forward.batch import ExtendItem, _logit_rows
     from engine.forward.model_runner import LOGITS_ALL, LOGITS_LAST, LOGITS_NONE
     from engine.request import KVState, LogprobState, Req
+    from engine.request_groups import LogprobParams
 
     def rows(kv_len: int, n: int, **kw) -> tuple[int, int]:  # noqa: ANN003
-        return _logit_rows(ExtendItem(Req("r", PROMPT, SP, kv=KVState(kv_len=kv_len), logprobs=LogprobState(**kw)), n))
+        lp = LogprobState(LogprobParams(**kw))
+        return _logit_rows(ExtendItem(Req("r", PROMPT, SP, kv=KVState(kv_len=kv_len), logprobs=lp), n))
 
     assert rows(0, 16) == (LOGITS_NONE, 0) and rows(16, 5) == (LOGITS_LAST, 0)  # not asked: the last row
     assert rows(0, 16, on=True) == (LOGITS_NONE, 0)  # output logprobs only

@@ -8,8 +8,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.extras.lora.runner import split_by_adapters
-from engine.forward.model_runner import Segment
+from engine.forward.forward_batch import split_by_adapters
 from router import lora
 from router.config import WorkerSpec
 from router.protocol import parse_request
@@ -64,11 +63,11 @@ def test_adapter_table_resolution_and_lru_victim():
 
 
 def test_split_by_adapters_and_flags():
-    segs = [Segment([], 0, [1], lora=n) for n in ["a", "", "b", "a", "c", ""]]
-    assert split_by_adapters(segs, 3) == [[0, 1, 2, 3, 4, 5]]
-    groups = split_by_adapters(segs, 2)
+    names = ["a", "", "b", "a", "c", ""]  # each segment's adapter
+    assert split_by_adapters(names, 3) == [[0, 1, 2, 3, 4, 5]]
+    groups = split_by_adapters(names, 2)
     assert sorted(i for g in groups for i in g) == list(range(6))
-    assert all(len({segs[i].lora for i in g} - {""}) <= 2 for g in groups)
+    assert all(len({names[i] for i in g} - {""}) <= 2 for g in groups)
     for field, bad, flag in (("max_lora_rank", 0, "--max-lora-rank"), ("max_loras_per_batch", 0,
                                                                         "--max-loras-per-batch"),
                              ("max_loaded_loras", -1, "--max-loaded-loras")):

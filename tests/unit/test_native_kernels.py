@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from engine.attention.base import create_backend
+from engine.attention.registry import create_backend
 from engine.config import EngineConfig
 from engine.kvcache.memory import KVPool
 from engine.models.llama import RotaryTables

@@ -1,6 +1,7 @@
 """The OpenAPI document (issue 16, part 7): the router's /openapi.json declares the request body, the
 answer and the error responses of /v1/chat/completions, /v1/completions and /generate, while its hot
-path stays plain ASGI (a bad body still gets the router's own 400, nothing validated by pydantic).
+path stays plain ASGI (a bad body gets the 400 the services give, validated with their request models,
+never FastAPI's 422).
 The services' document is checked by tests/unit/test_frontend_service.py with `check_openapi`."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from starlette.testclient import TestClient
 
 from router.app import create_app
 from router.config import RouterConfig
+from service.config import ServerConfig
+from service.frontend import FrontendState
+from service.frontend import create_app as service_app
 
 ENDPOINTS = {"/v1/chat/completions": "ChatCompletion", "/v1/completions": "Completion", "/generate": "Generate"}
 REF = "#/components/schemas/"
@@ -45,7 +49,7 @@ def test_router_openapi_documents_the_proxied_endpoints() -> None:
     assert r.status_code == 200
     check_openapi(r.json())
     assert client.get("/docs").status_code == 200
-    # the hot path answers, not FastAPI: the router's own message for a bad body, not a pydantic one
+    # the hot path answers, not FastAPI: the request models' message for a bad body (common/api_requests.py)
     bad = client.post("/v1/chat/completions", json={"messages": "hi"})
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "'messages' must be a non-empty list"
 
@@ -134,3 +138,21 @@ def test_every_status_and_content_type_of_the_router_is_documented() -> None:
     assert r.status_code == 405 and r.json()["error"]["code"] == 405
     assert set(r.headers["allow"].split(", ")) == {"GET", "POST", "DELETE"}
     assert client.get("/nope").json()["error"]["code"] == 404
+
+
+def test_a_service_answers_405_with_allow_and_documents_the_bodies_it_needs() -> None:
+    """What the schemathesis run on `pdserve colocated` found (tests/integration/test_openapi_fuzz.py, its
+    coverage phase): a 405 without `Allow` (RFC 9110), and LoRA bodies the document left optional."""
+    class Bridge:  # no worker: only FastAPI's own answers and the document are read
+        info: dict = {}
+
+    client = TestClient(service_app(FrontendState(config=ServerConfig(), bridge=Bridge(), tokenizer=None,
+                                                  model_dir="")))
+    for method, path, allow in (("TRACE", "/generate", "POST"), ("GET", "/v1/completions", "POST"),
+                                ("OPTIONS", "/health", "GET"), ("TRACE", "/v1/embeddings", "POST")):
+        r = client.request(method, path)
+        assert r.status_code == 405 and r.json()["error"]["code"] == 405 and r.headers["allow"] == allow, path
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/load_lora_adapter", "/v1/load_lora_adapter", "/unload_lora_adapter", "/v1/unload_lora_adapter",
+                 "/open_session", "/close_session", "/abort_request"):
+        assert paths[path]["post"]["requestBody"]["required"] is True, path

@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.sampling.params import SamplingParams
 from service import messages as m
-from tests.pd_harness import PDPair, collect, colocated_tokens, kv_manager
+from tests.pd_harness import PDPair, collect, colocated_tokens, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 3, 7, 11], list(range(1, 40)), [200, 201, 202]]  # 1, several and one page(s)
@@ -160,8 +160,8 @@ def test_pd_roles_trace_queues_chunks_transfer_and_retraction(engine_cfg: Engine
     try:
         for i, ids in enumerate(PROMPTS):
             boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p_mgr.bootstrap_port, "bootstrap_room": 200 + i}
-            prefill.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
-            decode.add(m.GenerateReq(rid=f"r{i}", input_ids=ids, sampling=SAMPLING, traceparent=tp, **boot))
+            prefill.add(generate_req(f"r{i}", ids, SAMPLING, traceparent=tp, **boot))
+            decode.add(generate_req(f"r{i}", ids, SAMPLING, traceparent=tp, **boot))
         assert prefill.stats().queued_prompt_tokens == sum(map(len, PROMPTS))
         deadline = time.monotonic() + 30
         while len(done) < len(PROMPTS):

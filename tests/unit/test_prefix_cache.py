@@ -9,13 +9,16 @@ import torch
 
 from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
-from engine.forward.model_runner import LOGITS_ALL, ModelRunner, Segment
+from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
+from engine.forward.model_runner import ModelRunner
 from engine.kvcache.kv_manager import KVManager
 from engine.kvcache.memory import PageAllocator
 from engine.kvcache.radix_cache import RadixCache
 from engine.request import Req
+from engine.request_groups import ReqOptions
 from engine.sampling.params import SamplingParams
-from engine.scheduling.scheduler import Scheduler, order_waiting
+from engine.scheduling.policy import order_by_policy
+from engine.scheduling.scheduler import Scheduler
 from service import messages as m
 from service.worker import flush_cache
 from tests.pd_harness import PDPair, collect, kv_manager
@@ -60,7 +63,8 @@ def test_radix_namespaces_never_share_pages() -> None:
     plain = alloc.allocate(2)
     _, dup = tree.insert(ids, plain, 0)  # the same ids unsalted: a page of its own, not a duplicate
     assert dup == [] and tree.cached_pages == 4 and tree.match(ids).pages == plain
-    assert Req("r", ids, GREEDY, extra_key="a").cache_namespace != Req("r", ids, GREEDY, lora="a").cache_namespace
+    assert Req("r", ids, GREEDY, options=ReqOptions(extra_key="a")).cache_namespace != \
+        Req("r", ids, GREEDY, options=ReqOptions(lora="a")).cache_namespace
     assert Req("r", ids, GREEDY).cache_namespace == ""
     assert tree.flush() == 4 and alloc.all_free()
 
@@ -80,9 +84,9 @@ def test_lpm_orders_by_cached_prefix_with_aging() -> None:
     reqs = [Req(rid=r, token_ids=[1] * 8, sampling=GREEDY, created=t) for r, t in
             (("none", 1.0), ("long", 2.0), ("short", 3.0), ("old", 0.0))]
     hits = {"none": 0, "long": 64, "short": 16, "old": 0}
-    order = order_waiting(reqs, "lpm", 5.0, now=4.0, prefix_len=lambda r: hits[r.rid])
+    order = order_by_policy(reqs, "lpm", 5.0, now=4.0, prefix_len=lambda r: hits[r.rid])
     assert [r.rid for r in order] == ["long", "short", "old", "none"]
-    order = order_waiting(reqs, "lpm", 5.0, now=5.5, prefix_len=lambda r: hits[r.rid])
+    order = order_by_policy(reqs, "lpm", 5.0, now=5.5, prefix_len=lambda r: hits[r.rid])
     assert [r.rid for r in order][0] == "old"  # waited past the aging bound: first
 
 
@@ -104,16 +108,17 @@ def test_suffix_logits_over_cached_prefix_match_from_scratch(model_dir: str) -> 
     prefix = [(7 * i + 3) % 250 for i in range(37)]
     first = Req(rid="a", token_ids=prefix + [1, 2], sampling=GREEDY)
     kv.grow(first, len(first.token_ids))
-    runner.forward([Segment(first.kv.pages, 0, first.token_ids, LOGITS_ALL)])
+    forward_segments(runner, [Segment(first.kv.pages, 0, first.token_ids, LOGITS_ALL)])
     first.kv.kv_len = len(first.token_ids)
     kv.release(first)  # 39 tokens: 9 full pages cached
     ids = prefix + [(11 * i) % 250 for i in range(21)]
     req = Req(rid="b", token_ids=ids, sampling=GREEDY)
     assert kv.match(req) == 36 and req.kv.cached_tokens == 36
     kv.grow(req, len(ids) - req.kv.kv_len)
-    cached = runner.forward([Segment(req.kv.pages, req.kv.kv_len, ids[req.kv.kv_len :], LOGITS_ALL)])[0]
+    cached = forward_segments(runner, [Segment(req.kv.pages, req.kv.kv_len, ids[req.kv.kv_len :], LOGITS_ALL)])
+    cached = cached.logits[0]
     fresh = kv.allocate(15)
-    scratch = runner.forward([Segment(fresh, 0, ids, LOGITS_ALL)])[0]
+    scratch = forward_segments(runner, [Segment(fresh, 0, ids, LOGITS_ALL)]).logits[0]
     assert cached is not None and scratch is not None
     assert torch.allclose(cached, scratch[36:], atol=1e-3, rtol=0)
     kv.pool.allocator.free(fresh)

@@ -54,14 +54,14 @@ def test_generate_text_and_defaults() -> None:
     assert p.req.input_ids == TOK.encode("hello")
     assert p.req.sampling.max_new_tokens == 59  # default 128 capped to 64 - 5
     assert p.req.sampling.temperature == 1.0
-    assert p.req.bootstrap_room is None and not p.req.stream
+    assert p.req.pd.room is None and not p.req.stream
 
 
 def test_generate_input_ids_sampling_and_flags() -> None:
     body = {"input_ids": [1, 2, 3], "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 4, "temperature": 0, "stop": "x", "n": 1}}
     p = parse_generate(body, TOK, COLO)
-    assert p.req.input_ids == [1, 2, 3] and p.req.stream and p.req.return_logprob
+    assert p.req.input_ids == [1, 2, 3] and p.req.stream and p.req.logprobs.on
     assert p.req.sampling.max_new_tokens == 4 and p.req.sampling.stop == ("x",)
     assert p.stop == ("x",) and p.logprobs
     assert len(p.req.rid) == 32  # generated uuid hex
@@ -125,17 +125,17 @@ def test_bootstrap_fields_required_and_checked_on_pd_roles(patch: dict, match: s
 
 def test_bootstrap_fields_pass_through_on_pd_and_are_ignored_colocated() -> None:
     p = parse_chat({"messages": [{"role": "user", "content": "hi"}], **BOOT}, TOK, PREFILL)
-    assert (p.req.bootstrap_host, p.req.bootstrap_port, p.req.bootstrap_room) == ("10.0.0.1", 8998, 2**63 - 1)
+    assert (p.req.pd.host, p.req.pd.port, p.req.pd.room) == ("10.0.0.1", 8998, 2**63 - 1)
     p = parse_generate({"text": "hi", "bootstrap_port": "junk"}, TOK, COLO)
-    assert p.req.bootstrap_port is None
+    assert p.req.pd.port is None
 
 
 def test_prefill_here_hint_is_read_on_the_decode_only() -> None:
     decode = dataclasses.replace(PREFILL, role="decode")
     body = {"text": "hi", "pd_prefill_here": True, **BOOT}
-    assert parse_generate(body, TOK, decode).req.prefill_here
-    assert not parse_generate(body, TOK, PREFILL).req.prefill_here
-    assert not parse_generate({**body, "pd_prefill_here": "yes"}, TOK, decode).req.prefill_here
+    assert parse_generate(body, TOK, decode).req.pd.prefill_here
+    assert not parse_generate(body, TOK, PREFILL).req.pd.prefill_here
+    assert not parse_generate({**body, "pd_prefill_here": "yes"}, TOK, decode).req.pd.prefill_here
 
 
 def test_completion_mapping() -> None:
@@ -163,7 +163,7 @@ def test_completion_mapping() -> None:
     ({"prompt": "a", "n": 0}, "'n'"),
     ({"prompt": "a", "n": 10000}, "1..64"),
     ({"prompt": "a", "n": True}, "'n'"),
-    ({"prompt": "a", "n": 2.0}, "'n'"),
+    ({"prompt": "a", "n": 2.5}, "'n'"),  # a whole number as a float (2.0) is 2: see the test below
     ({"prompt": "a", "echo": 1}, "echo"),
     ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
@@ -260,16 +260,16 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
 def test_logprob_fields_reach_the_worker_request() -> None:
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20},
                       TOK, COLO)
-    assert (chat.req.return_logprob, chat.req.top_logprobs_num, chat.req.logprob_start_len) == (True, 20, -1)
+    assert (chat.req.logprobs.on, chat.req.logprobs.top_k, chat.req.logprobs.start_len) == (True, 20, -1)
     comp = parse_completion({"prompt": "abc", "logprobs": 3, "echo": True}, TOK, COLO)
-    assert (comp.req.top_logprobs_num, comp.req.logprob_start_len, comp.echo) == (3, 0, "abc")
+    assert (comp.req.logprobs.top_k, comp.req.logprobs.start_len, comp.echo) == (3, 0, "abc")
     plain = parse_completion({"prompt": "abc", "echo": True}, TOK, COLO)  # echo alone: text, no logprobs
-    assert not plain.req.return_logprob and plain.req.logprob_start_len == -1 and plain.echo == "abc"
+    assert not plain.req.logprobs.on and plain.req.logprobs.start_len == -1 and plain.echo == "abc"
     gen = parse_generate({"text": "abcd", "return_logprob": True, "top_logprobs_num": 4,
                           "logprob_start_len": 2}, TOK, COLO)
-    assert (gen.req.top_logprobs_num, gen.req.logprob_start_len) == (4, 2)
+    assert (gen.req.logprobs.top_k, gen.req.logprobs.start_len) == (4, 2)
     off = parse_generate({"text": "abcd", "logprob_start_len": 2}, TOK, COLO)  # ignored without return_logprob
-    assert not off.req.return_logprob and off.req.logprob_start_len == -1
+    assert not off.req.logprobs.on and off.req.logprobs.start_len == -1
 
 
 @pytest.mark.parametrize("body,match", [
@@ -301,6 +301,22 @@ def test_nulls_mean_not_given_as_the_document_allows() -> None:
     chat = {"messages": [{"role": "assistant", "content": None, "tool_calls": None}, {"role": "user", "content": "x"}],
             "stream": None, "stream_options": None, "n": None, "tools": None, "tool_choice": None, "logprobs": None}
     assert parse_chat(chat, TOK, COLO).req.n == 1
+
+
+def test_whole_numbers_sent_as_floats_are_integers() -> None:
+    """JSON Schema's integers include 2.0 (schemathesis sends them; pydantic's lax mode and OpenAI take
+    them): every integer field takes a float holding a whole number, and only that."""
+    comp = parse_completion({"prompt": [1, 2.0], "n": 2.0, "max_tokens": 5.0, "seed": 7.0, "logprobs": 1.0}, TOK, COLO)
+    assert comp.req.input_ids == [1, 2] and comp.req.n == 2 and comp.req.sampling.max_new_tokens == 5
+    assert comp.req.sampling.seed == 7 and type(comp.req.sampling.seed) is int and comp.top_logprobs == 1
+    gen = parse_generate({"input_ids": [3.0], "sampling_params": {"max_new_tokens": 4.0, "top_k": -1.0,
+                                                                  "stop_token_ids": [2.0]},
+                          "return_logprob": True, "logprob_start_len": 0.0, "priority": 2.0}, TOK, COLO)
+    assert gen.req.sampling.max_new_tokens == 4 and gen.req.sampling.stop_token_ids == (2,)
+    assert gen.req.logprobs.start_len == 0 and gen.req.options.priority == 2 and gen.req.sampling.top_k == -1
+    assert parse_abort({"bootstrap_room": 5.0}).room == 5
+    bad(parse_generate, {"input_ids": [3.5]}, match="input_ids")
+    bad(parse_completion, {"prompt": "a", "max_tokens": 1e300}, match="max_new_tokens")
 
 
 def test_a_capped_budget_keeps_the_params_valid() -> None:

@@ -103,7 +103,8 @@ def test_generate_extras_bad_inputs_name_the_field() -> None:
     assert "'return_hidden_states'" in _gen(input_ids=[1], return_hidden_states=1).message
     assert "'logprob_start_len'" in _gen(input_embeds=rows, return_logprob=True, logprob_start_len=0).message
     ok = parse_generate({"input_embeds": rows, "return_hidden_states": True, "sampling_params": {}}, TOK, LIM)
-    assert ok.req.input_ids == [0, 0, 0] and len(ok.req.input_embeds) == 3 * 4 * 4 and ok.req.return_hidden_states
+    assert ok.req.input_ids == [0, 0, 0] and len(ok.req.extras.input_embeds) == 3 * 4 * 4
+    assert ok.req.extras.hidden_states
     assert "one choice" in _gen(input_ids=[1], return_hidden_states=True, sampling_params={"n": 2}).message
 
 

@@ -11,8 +11,10 @@ from colocated_service.worker import ColocatedRole
 from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.request import FinishReason, Req
+from engine.request_groups import ReqOptions
 from engine.sampling.params import SamplingParams
 from engine.scheduling import priority
+from engine.scheduling.policy import first_new, waiting_order
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sessions import SessionPins
 from router.config import WorkerSpec
@@ -23,7 +25,7 @@ from router.registry import Worker
 from service import messages as m
 from service.protocol import Limits, RequestError, parse_completion, parse_generate
 from service.sessions import SessionStore
-from tests.pd_harness import PDPair, collect, kv_manager
+from tests.pd_harness import PDPair, collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
 
 
@@ -41,7 +43,7 @@ def _cfg(model_dir: str, **kw: object) -> EngineConfig:
 def _req(rid: str, n: int, new: int, prio: int = 0, seed: int = 1) -> Req:
     ids = [(seed * 31 + 7 * i) % 250 + 1 for i in range(n)]
     return Req(rid=rid, token_ids=ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True),
-               priority=prio)
+               options=ReqOptions(priority=prio))
 
 
 # ---- order ----------------------------------------------------------------------------------------
@@ -49,11 +51,11 @@ def test_priority_order_urgency_flag_and_aging() -> None:
     cfg = EngineConfig(enable_priority_scheduling=True, priority_aging_s=10.0)
     a, b, c = _req("a", 4, 1, prio=1), _req("b", 4, 1, prio=5), _req("c", 4, 1, prio=1)
     a.created = b.created = c.created = 100.0
-    assert [r.rid for r in priority.order([a, b, c], cfg, now=101.0)] == ["b", "a", "c"]  # ties keep the order
+    assert [r.rid for r in waiting_order([a, b, c], cfg, now=101.0)] == ["b", "a", "c"]  # ties keep the order
     low_first = EngineConfig(enable_priority_scheduling=True, schedule_low_priority_values_first=True)
-    assert [r.rid for r in priority.order([b, a, c], low_first, now=101.0)] == ["a", "c", "b"]
+    assert [r.rid for r in waiting_order([b, a, c], low_first, now=101.0)] == ["a", "c", "b"]
     a.created = 80.0  # waited past the aging bound: ahead of every priority
-    assert [r.rid for r in priority.order([b, c, a], cfg, now=101.0)][0] == "a"
+    assert [r.rid for r in waiting_order([b, c, a], cfg, now=101.0)][0] == "a"
     with pytest.raises(ValueError, match="--priority-max-preemptions"):
         EngineConfig(priority_max_preemptions=-1)
 
@@ -105,9 +107,53 @@ def test_preemption_is_bounded_per_request(model_dir: str) -> None:
         sched.add(r)
     for _ in range(8):
         sched.step()
-    sched.add(_req("high", 20, 4, prio=10, seed=3))
-    assert priority.preempt(sched, now=lows[0].created) == 0
+    high = _req("high", 20, 4, prio=10, seed=3)
+    sched.add(high)
+    assert first_new(sched.waiting) is high and not sched.admits_first_chunk(high)  # it would preempt
+    assert sched.preempt_for(high, lambda: sched.admits_first_chunk(high), now=lows[0].created) == 0
     sched.abort(everything=True)
+
+
+def test_waiting_order_policy_then_priority_and_retracted_first() -> None:
+    """One order for every scheduler: the schedule policy within a priority; a retracted request
+    blocks what ranks behind it (first_new), not a more urgent arrival."""
+    sjf = EngineConfig(enable_priority_scheduling=True, schedule_policy="sjf", schedule_aging_s=50.0)
+    long_hi, short_hi, short_lo = _req("long_hi", 40, 1, prio=5), _req("short_hi", 8, 1, prio=5), _req("lo", 4, 1)
+    for r in (long_hi, short_hi, short_lo):
+        r.created = 100.0
+    assert [r.rid for r in waiting_order([short_lo, long_hi, short_hi], sjf, now=101.0)] == \
+        ["short_hi", "long_hi", "lo"]
+    retracted = _req("retracted", 8, 4, prio=1)
+    retracted.created, retracted.kv.host_pages = 99.0, [1]  # its KV is in the host pool
+    cfg = EngineConfig(enable_priority_scheduling=True)
+    assert first_new(waiting_order([retracted, short_lo, short_hi], cfg, now=101.0)) is short_hi
+    assert first_new(waiting_order([retracted, short_lo], cfg, now=101.0)) is None  # it reloads first
+    assert first_new(waiting_order([retracted, short_hi], EngineConfig(), now=101.0)) is None  # no priority
+
+
+def test_preempt_is_handed_what_it_reads() -> None:
+    """priority.preempt needs no scheduler: the running requests, the candidate, the admission rule
+    and a retraction that may refuse (host pool full): least urgent, then newest, first; bounded."""
+    cfg = EngineConfig(enable_priority_scheduling=True, priority_preemption_threshold=2, priority_max_preemptions=1)
+    now = 0.0
+    running = [_req("a", 4, 4, prio=1), _req("b", 4, 4, prio=1), _req("c", 4, 4, prio=4), _req("d", 4, 4, prio=0)]
+    for r in running:
+        r.created = now
+    running[3].kv.retractions = 1  # preempted the most times already
+    cand = _req("cand", 4, 4, prio=5)
+    assert [r.rid for r in priority.victims(cand, running, cfg, now)] == ["b", "a"]
+    free = [0]
+    gone: list[str] = []
+
+    def retract(r: Req) -> bool:
+        if r.rid == "b":
+            return False  # the host pool cannot take it: skipped, never ended
+        gone.append(r.rid)
+        free[0] += 1
+        return True
+
+    assert priority.preempt(cand, running, lambda: free[0] >= 1, retract, cfg, now) == 1 and gone == ["a"]
+    assert priority.preempt(cand, running, lambda: True, retract, cfg, now) == 0
 
 
 # ---- session pins -------------------------------------------------------------------------------------
@@ -128,13 +174,13 @@ def test_session_pin_keeps_kv_through_pressure_and_is_dropped(model_dir: str) ->
     role = ColocatedRole(cfg, runner, kv)
     sp = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     first = list(range(1, 27))
-    out = _serve(role, m.GenerateReq(rid="s1", input_ids=first, sampling=sp, session_id="S"))
+    out = _serve(role, generate_req("s1", first, sp, session_id="S"))
     assert len(role.sessions) == 1 and role.sessions.pinned_pages == (26 + 6 - 1) // 4
     for i in range(4):  # other prompts fill and evict the cache; the session's pages stay
         _serve(role, m.GenerateReq(rid=f"o{i}", input_ids=[(i * 50 + j) % 250 + 1 for j in range(40)], sampling=sp))
     assert kv.cache is not None and kv.cache.evicted_pages > 0
     follow = first + out + [9, 8, 7]
-    _serve(role, m.GenerateReq(rid="s2", input_ids=follow, sampling=sp, session_id="S"))
+    _serve(role, generate_req("s2", follow, sp, session_id="S"))
     assert kv.hit_tokens >= 28  # the next turn computed only its new tokens (and the partial page)
     role.close_session("S")
     assert len(role.sessions) == 0 and kv.cache.evictable_pages == kv.cache.cached_pages
@@ -175,9 +221,9 @@ def _limits(store: SessionStore | None = None, role: str = "colocated") -> Limit
 
 def test_request_options_parse_and_bad_inputs_name_the_field() -> None:
     p = parse_generate({"input_ids": [1, 2], "priority": 7, "extra_key": "tenant"}, _Tok(), _limits())
-    assert (p.req.priority, p.req.extra_key) == (7, "tenant")
+    assert (p.req.options.priority, p.req.options.extra_key) == (7, "tenant")
     p = parse_completion({"prompt": [1, 2], "cache_salt": "t2", "priority": -3}, _Tok(), _limits())
-    assert (p.req.priority, p.req.extra_key) == (-3, "t2")
+    assert (p.req.options.priority, p.req.options.extra_key) == (-3, "t2")
     bad = [({"input_ids": [1], "priority": "high"}, "'priority'"),
            ({"input_ids": [1], "priority": 1.5}, "'priority'"),
            ({"input_ids": [1], "extra_key": 5}, "'extra_key'"),
@@ -204,7 +250,7 @@ def test_session_store_builds_prompts_from_history() -> None:
     with pytest.raises(ValueError, match="already open"):
         store.open(64, sid)
     first = parse_generate({"input_ids": [1, 2, 3], "session_params": {"id": sid}}, _Tok(), _limits(store))
-    assert first.req.input_ids == [1, 2, 3] and first.req.session_id == sid
+    assert first.req.input_ids == [1, 2, 3] and first.req.options.session_id == sid
     store.record(sid, first.req.rid, [1, 2, 3, 40, 41])
     nxt = parse_generate({"input_ids": [5], "rid": "r2", "session_params": {"id": sid}}, _Tok(), _limits(store))
     assert nxt.req.input_ids == [1, 2, 3, 40, 41, 5]
@@ -281,12 +327,62 @@ def test_salted_choices_keep_their_pages_in_the_salt(model_dir: str) -> None:
     ids = list(range(1, 22))
     tokens: dict[str, list[int]] = {}
     done: dict[str, m.TokenOut] = {}
-    role.add(m.GenerateReq(rid="n2", input_ids=ids, sampling=sp, n=2, extra_key="A"))
+    role.add(generate_req("n2", ids, sp, n=2, extra_key="A"))
     while len(done) < 2:
         collect(role.step(), tokens, done)
     assert all(o.error is None for o in done.values())
     plain = Req(rid="p", token_ids=ids, sampling=sp)
-    salted = Req(rid="s", token_ids=ids, sampling=sp, extra_key="A")
+    salted = Req(rid="s", token_ids=ids, sampling=sp, options=ReqOptions(extra_key="A"))
     assert kv.prefix_len(plain) == 0 and kv.prefix_len(salted) == 20
     kv.flush()
     assert kv.all_free()
+
+
+# ---- priority on a PD decode (in-process prefill + decode, fake transfer backend) ---------------------
+def _pd_run(model_dir: str, prio: bool) -> tuple[dict[str, list[int]], int, int]:
+    """Two long low-priority requests fill the decode's 64-token pool; an urgent one comes from the
+    prefill. Returns the outputs, the decode steps the urgent one waited for its first token, and
+    the decode's retractions."""
+    cfg = _cfg(model_dir, max_total_tokens=256, enable_priority_scheduling=prio)
+    pair = PDPair(cfg, decode_cfg=_cfg(model_dir, enable_priority_scheduling=prio))
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, m.TokenOut] = {}
+    sp = SamplingParams(temperature=0.0, max_new_tokens=14, ignore_eos=True)
+
+    def add(rid: str, ids: list[int], new: int, prio_: int, room: int) -> None:
+        boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.p_mgr.bootstrap_port, "bootstrap_room": room}
+        msg = generate_req(rid, ids, SamplingParams(**{**vars(sp), "max_new_tokens": new}), priority=prio_, **boot)
+        pair.prefill.add(msg)
+        collect(pair.decode.add(msg), tokens, done)
+
+    def step() -> None:
+        pair.prefill.step()
+        collect(pair.decode.step(), tokens, done)
+
+    try:
+        for i, seed in enumerate((1, 2)):
+            add(f"low{i}", _req("x", 16, 1, seed=seed).token_ids, 14, 0, 10 + i)
+        while not all(len(tokens.get(f"low{i}", [])) >= 8 for i in range(2)):
+            step()
+        add("high", _req("x", 20, 1, seed=3).token_ids, 4, 10, 20)  # 5 pages; fewer are free
+        waited = 0
+        while not tokens.get("high"):
+            step()
+            waited += 1
+        while len(done) < 3:
+            step()
+        assert all(o.error is None for o in done.values())
+        assert pair.d_kv.all_free()
+        return tokens, waited, pair.d_kv.retractions
+    finally:
+        pair.close()
+
+
+def test_priority_preempts_on_a_pd_decode_with_outputs_unchanged(model_dir: str) -> None:
+    """The decode's admission is the scheduler's too: an urgent request whose KV does not fit
+    retracts a less urgent running one (which reloads and finishes unchanged) instead of waiting."""
+    plain, waited_plain, _ = _pd_run(model_dir, prio=False)
+    urgent, waited_urgent, retracted = _pd_run(model_dir, prio=True)
+    assert retracted >= 1
+    assert waited_urgent < waited_plain
+    assert urgent == plain

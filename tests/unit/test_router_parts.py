@@ -4,6 +4,7 @@ logprob merging, SSE splitting, metrics text, pod -> worker mapping."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -194,6 +195,23 @@ def test_parse_request_checks_and_estimates():
     for endpoint, body in bad:
         with pytest.raises(BadRequest):
             parse_request(endpoint, body)
+
+
+def test_router_validates_with_the_services_models():
+    """One parser: the router refuses what the services refuse, with their message (common/api_requests.py),
+    takes what they take (a whole number sent as 2.0 is 2; the forwarded body carries the int), and never
+    forwards a number the JSON encoder cannot write (a float past int64 is not an integer)."""
+    body = {"prompt": [1.0, 2], "n": 2.0, "max_tokens": 9.0}
+    r = parse_request("/v1/completions", body)
+    assert (r.n, r.max_new_tokens, r.prompt_tokens) == (2, 9, 2) and body["prompt"] == [1, 2] and type(body["n"]) is int
+    for endpoint, bad, message in (
+        ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "unknown field 'sampling_params.bogus'"),
+        ("/v1/completions", {"prompt": "x", "n": 65}, "'n' (choices per request) must be an integer in 1..64, got 65"),
+        ("/generate", {"input_ids": [1.0e21]}, "'input_ids[0]' must be an integer"),
+        ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
+    ):
+        with pytest.raises(BadRequest, match=re.escape(message)):
+            parse_request(endpoint, bad)
 
 
 def test_merge_input_logprobs():

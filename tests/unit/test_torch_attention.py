@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from engine.attention.base import build_metadata, create_backend
+from engine.attention.base import build_metadata
+from engine.attention.registry import create_backend
 from engine.attention.torch_ref import EXTEND_BLOCK, TorchAttention
 
 assert EXTEND_BLOCK < 150  # the first case's 150-token prompt crosses block edges

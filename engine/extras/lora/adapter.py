@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
@@ -82,8 +83,6 @@ def target_list(raw: dict) -> tuple[str, ...]:
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     st = path / "adapter_model.safetensors"
     if st.is_file():
-        from safetensors.torch import load_file
-
         return load_file(str(st))
     bn = path / "adapter_model.bin"
     if bn.is_file():
@@ -164,8 +163,6 @@ def _fused(tensors: dict[str, torch.Tensor], layer: int, parts: tuple[str, ...],
 def write_random_adapter(dst: Path, cfg: ModelConfig, rank: int, targets: tuple[str, ...] = TARGETS,
                          seed: int = 0, std: float = 0.01) -> Path:
     """A random PEFT-format LoRA adapter for a model of `cfg` (benchmarks and tests; A and B ~ N(0, std))."""
-    from safetensors.torch import save_file
-
     g = torch.Generator().manual_seed(seed)
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h),

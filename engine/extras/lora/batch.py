@@ -1,7 +1,10 @@
-"""The per-forward adapter map and the batched multi-adapter update (segmented matmul).
+"""What LoRA adds to a forward: the segment's adapter, the per-forward adapter map, and the batched
+multi-adapter update (segmented matmul).
 
-A forward's tokens are its segments' tokens concatenated (model_runner); each segment runs under one
-adapter (`Segment.lora`, "" = the base model). `LoRABatch` groups the rows by adapter once per forward;
+A forward's tokens are its segments' tokens concatenated (engine/forward/forward_batch.py); a segment
+of a request with an adapter carries `Adapter(name)` in its extras, which names it in the batch's
+`adapters` (the others "" = the base model). The runner turns those names into a `LoRABatch` with its
+rank's registry (`LoRARegistry.batch`), which groups the rows by adapter once per forward;
 every targeted linear then adds, for each adapter g of the batch, out[rows_g] += (x[rows_g] A_g^T) B_g^T
 (B pre-scaled; engine/extras/lora/adapter.py). Base rows get nothing, and a batch with no adapter builds no
 LoRABatch at all (ForwardContext.lora is None: the layers run exactly as without LoRA).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,25 @@ from torch import nn
 from engine.distributed.tp import TPGroup
 from engine.extras.lora.adapter import LoRAAdapter
 from engine.models import cpu_gemm, layers
+
+
+class _Inputs(Protocol):
+    """The ForwardBatch fields `Adapter` fills (engine/forward/forward_batch.py)."""
+
+    new_lens: list[int]
+    adapters: list[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A segment's LoRA adapter (`Segment.extras`; engine/forward/batch.py adds it for `Req.lora`)."""
+
+    name: str
+
+    def add(self, batch: _Inputs, seg: int, row: int) -> None:
+        if batch.adapters is None:
+            batch.adapters = [""] * len(batch.new_lens)
+        batch.adapters[seg] = self.name
 
 
 @dataclass

@@ -11,7 +11,7 @@
 - `batch(names, lens)`: the forward's LoRABatch (None when no segment names an adapter); a name not
   loaded is a KeyError (the frontend admits only loaded names, in order with unloads).
 Under TP every rank holds its own registry; load/unload run as rank ops on all of them
-(`runner.collective("lora_load", ...)`), each rank slicing A/B like its base layers.
+(engine/extras/lora/runner.py, through `runner.collective`), each rank slicing A/B like its base layers.
 On CUDA each (layer, module) also has slot stacks A [S, R, in], B [S, out, R] (R = the module's
 widest fused rank, zero-padded) for the Triton SGMV kernel.
 """
@@ -22,10 +22,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.extras.lora.adapter import MODULES, LoRAAdapter, load_adapter, read_config, target_list
 from engine.extras.lora.batch import ConcatWeights, LoRABatch
@@ -169,3 +170,29 @@ def _concat(adapters: list[LoRAAdapter]) -> ConcatWeights:
                 widths[mod] = [0 if p is None else p[0].shape[0] for p in pairs]
         cat.append(mods)
     return ConcatWeights(cat, widths)
+
+
+def registry_for(cfg: EngineConfig, mc: ModelConfig, tp: TPGroup, dtype: torch.dtype,
+                 device: torch.device) -> LoRARegistry | None:
+    """A runner's registry (`runner.lora`) with `--lora-paths` loaded (ValueError naming the flag for a
+    bad one), or None when LoRA is off (`--max-loaded-loras` 0 and no `--lora-paths`)."""
+    paths = parse_lora_paths(cfg.lora_paths)
+    if not cfg.max_loaded_loras and not paths:
+        return None
+    if getattr(mc, "mla", None) is not None:
+        raise ValueError("--lora-paths / --max-loaded-loras: LoRA is not supported for MLA models")
+    slots = max(cfg.max_loaded_loras, len(paths))
+    reg = LoRARegistry(mc, slots, cfg.max_lora_rank, tp, dtype, device)
+    for name, path in paths.items():
+        try:
+            reg.load(name, path)
+        except LoRAError as e:
+            raise ValueError(f"--lora-paths {name}={path}: {e}") from e
+    return reg
+
+
+def info(reg: LoRARegistry | None) -> dict[str, Any]:
+    """The server-info fields of LoRA: `lora_slots` (0: off) and `lora_adapters` {name: path}."""
+    if reg is None:
+        return {"lora_slots": 0, "lora_adapters": {}}
+    return {"lora_slots": reg.slots, "lora_adapters": {n: a.path for n, a in reg.adapters.items()}}

@@ -1,24 +1,45 @@
-"""SpecConfig: the speculative-decoding flags of one engine (frozen; built by name from the flags,
-service/config.py). Validation raises ValueError naming the flag."""
+"""SpecConfig: the speculative-decoding flags of one engine (frozen; each field declares its flag, the
+parsers are generated from them and the config built by name, service/config.py). Validation raises
+ValueError naming the flag."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from common.checks import need
+from common.configs import Group, option
 
 METHODS = ("", "ngram", "draft")
 
 
+SPEC = Group("speculative decoding",
+             "decode steps verify K proposed tokens in one forward of K+1 positions over the cached KV; the output "
+             "is the same as without (greedy: identical; sampling: the target's distribution). Runs on colocated "
+             "and PD decodes; structured-output requests decode without it")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    speculative: str = ""  # "" (off) | ngram (prompt lookup) | draft (a smaller model proposes)
-    num_speculative_tokens: int = 4  # K: tokens proposed per step; a verify runs K+1 positions
-    ngram_min: int = 2  # ngram: shortest suffix matched against the request's own tokens
-    ngram_max: int = 4  # ngram: longest suffix tried first
-    draft_model: str = ""  # draft: HF model directory with the target's vocabulary
-    speculative_min_acceptance: float = 0.3  # a request whose acceptance falls below this pauses
-    speculative_max_batch: int = 8  # no request speculates while more than this many decode (compute-bound)
+    """Each field declares its flag (common.configs.option). A prefill takes them too: they are part of the PD
+    compatibility record, so a prefill and a decode that disagree are refused with a 412 naming the field."""
+
+    speculative: str = option(
+        "", "ngram: propose the tokens that followed the latest earlier match of the last n tokens in the request's "
+        "own prompt and output (no extra model); draft: a smaller model with the same vocabulary (--draft-model) "
+        "proposes them (default: off)", group=SPEC, choices=METHODS[1:])
+    num_speculative_tokens: int = option(4, "K, tokens proposed per step (1..16)", group=SPEC)  # a verify: K+1
+    ngram_min: int = option(2, "ngram: shortest suffix matched", group=SPEC)  # against the request's own tokens
+    ngram_max: int = option(4, "ngram: longest suffix matched (tried first)", group=SPEC)
+    draft_model: str = option(
+        "", "draft: HF model directory of the draft model (same tokenizer and vocabulary); it keeps its own KV pool, "
+        "as many tokens as --max-total-tokens, and on a PD decode computes each prompt's draft KV locally",
+        group=SPEC)
+    speculative_min_acceptance: float = option(
+        0.3, "switch-off: a request whose recent share of accepted drafts falls below this stops speculating for 4, "
+        "then 8 .. 64 steps, then tries again (0: never)", group=SPEC)
+    speculative_max_batch: int = option(
+        8, "switch-off: with more than this many requests decoding, a step is compute-bound and nobody speculates",
+        group=SPEC)
 
     def __post_init__(self) -> None:
         need(self.speculative in METHODS, f"--speculative must be ngram or draft, got {self.speculative!r}")

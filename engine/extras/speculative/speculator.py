@@ -25,7 +25,7 @@ from engine.request import Req
 
 
 class Proposer(Protocol):
-    """The draft model's side (engine.extras.speculative.draft.DraftProposer)."""
+    """The draft model's side (engine.forward.draft.DraftProposer)."""
 
     def propose(self, reqs: list[Req], lens: list[int]) -> None: ...
     def rollback(self, r: Req) -> None: ...
@@ -96,16 +96,3 @@ class Speculator:
     def stats(self) -> SpecStats:
         return self.totals
 
-
-def make_speculator(runner, cfg, kv: KVManager, sampler) -> Speculator | None:  # noqa: ANN001
-    """The engine's Speculator from cfg.spec (None when --speculative is off); the draft method loads
-    the draft model (engine.extras.speculative.draft) next to `runner`."""
-    sc: SpecConfig = cfg.spec
-    if not sc.on:
-        return None
-    draft = None
-    if sc.speculative == "draft":
-        from engine.extras.speculative.draft import DraftProposer
-
-        draft = DraftProposer(runner, cfg, sampler)
-    return Speculator(sc, kv, runner.context_length, draft)

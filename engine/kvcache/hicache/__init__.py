@@ -12,15 +12,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.kvcache.hicache.disk import DiskTier
 from engine.kvcache.hicache.host import HostTier
 from engine.kvcache.hicache.tree import HiRadixCache
 from engine.kvcache.memory import KVPool
 
 __all__ = ["HiCacheSpec", "HiRadixCache", "build_cache", "spec_for_server"]
-
-WRITE_POLICIES = ("write_back", "write_through")
-
 
 @dataclass(frozen=True)
 class HiCacheSpec:
@@ -30,9 +28,10 @@ class HiCacheSpec:
     disk_bytes: int = 1 << 30
 
     @classmethod
-    def from_config(cls, cfg: Any, worker: str = "") -> HiCacheSpec | None:  # noqa: ANN401 (an EngineConfig)
-        """The spec of an EngineConfig's --hicache-* fields (None: off). `worker` names this
-        worker's subdirectory of --hicache-dir (one directory per worker: each empties its own)."""
+    def from_config(cls, cfg: EngineConfig, worker: str = "") -> HiCacheSpec | None:
+        """The spec of an EngineConfig's --hicache-* fields (declared, with their help, in engine/config.py;
+        None: off). `worker` names this worker's subdirectory of --hicache-dir (one directory per worker:
+        each empties its own)."""
         if not cfg.hicache_host_tokens:
             return None
         root, sub = cfg.hicache_dir, worker or f"worker-{os.getpid()}"

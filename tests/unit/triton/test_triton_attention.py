@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from engine.attention.base import build_metadata, create_backend
+from engine.attention.base import build_metadata
+from engine.attention.registry import create_backend
 from engine.attention.torch_ref import TorchAttention
 from engine.attention.triton_backend import TritonAttention, TritonAttentionConfig, decode_splits
 

@@ -1,5 +1,8 @@
 """DraftProposer: a smaller model with the target's vocabulary proposes K tokens autoregressively on
-its own paged KV pool (a second ModelRunner: its own pages, page size and length per request).
+its own paged KV pool (a second ModelRunner: its own pages, page size and length per request), and
+`make_speculator`, which builds the Scheduler's Speculator (engine/extras/speculative/speculator.py)
+with it. It lives beside the runner, not with the other speculative modules: it runs forwards, and
+engine/extras sits below engine/forward.
 
 Per step, for the requests that speculate:
 1. Catch-up: the draft's KV of a request covers its first `length` tokens; the tokens after it (the
@@ -27,7 +30,10 @@ import torch
 
 from common.checks import need
 from engine.extras.speculative.config import SpecConfig
-from engine.forward.model_runner import LOGITS_LAST, ModelRunner, Segment
+from engine.extras.speculative.speculator import Speculator
+from engine.forward.forward_batch import LOGITS_LAST, Segment, forward_segments
+from engine.forward.model_runner import ModelRunner
+from engine.kvcache.kv_manager import KVManager
 from engine.kvcache.memory import pages_for
 from engine.request import Req
 from engine.sampling.sampler import Sampler, draw_seed, generated
@@ -116,15 +122,15 @@ class DraftProposer:
                 live.append((r, st, n))
         if not segments:
             return
-        logits = self.runner.forward(segments)
+        logits = forward_segments(self.runner, segments).logits
         rows = {id(s.pages): lg for s, lg in zip(segments, logits)}
         drafts = {id(r): ([], []) for r, _, _ in live}
         for r, st, _ in live:
             self._draw(r, rows[id(st.pages)], drafts[id(r)], 0)
         for j in range(1, max((n for _, _, n in live), default=0)):
             batch = [(r, st) for r, st, n in live if n > j]
-            out = self.runner.forward([Segment(st.pages, st.length, [drafts[id(r)][0][-1]], LOGITS_LAST)
-                                       for r, st in batch])
+            out = forward_segments(self.runner, [Segment(st.pages, st.length, [drafts[id(r)][0][-1]], LOGITS_LAST)
+                                                 for r, st in batch]).logits
             for (r, st), lg in zip(batch, out):
                 st.length += 1
                 self._draw(r, lg, drafts[id(r)], j)
@@ -144,3 +150,13 @@ class DraftProposer:
             draw_seed(sp, r.rid, self.sampler.default_seed, len(generated(r)) + j) ^ _Q_SALT)
         acc[0].append(int(torch.multinomial(q, 1, generator=g)))
         acc[1].append(q)
+
+
+def make_speculator(runner: ModelRunner, cfg, kv: KVManager, sampler: Sampler) -> Speculator | None:  # noqa: ANN001
+    """The engine's Speculator from cfg.spec (None when --speculative is off); the draft method loads
+    the draft model (a DraftProposer) next to `runner`."""
+    sc: SpecConfig = cfg.spec
+    if not sc.on:
+        return None
+    draft = DraftProposer(runner, cfg, sampler) if sc.speculative == "draft" else None
+    return Speculator(sc, kv, runner.context_length, draft)
