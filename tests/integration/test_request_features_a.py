@@ -33,12 +33,14 @@ from tests.tiny_model import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-# a 320-token pool (20 pages of 16), every admitted request's future tokens reserved: two low-priority
-# streams fit (9 pages each at their end), the other two and the urgent one queue for memory
-COLO_FLAGS = ["--device", "cpu", "--threads", "1", "--max-total-tokens", "320", "--new-token-ratio", "1.0",
+# a 1920-token pool (120 pages of 16), every admitted request's future tokens reserved: two low-priority
+# streams fit (59 pages each at their end), the other two and the urgent one (5 pages) queue for memory.
+# The low streams are long (900 tokens) so that the two running ones are still running when the urgent
+# request arrives, however fast the tiny model decodes on a quiet box.
+COLO_FLAGS = ["--device", "cpu", "--threads", "1", "--max-total-tokens", "1920", "--new-token-ratio", "1.0",
               "--enable-priority-scheduling", "--session-timeout", "120", "--log-level", "warning"]
 PROMPT = [(37 * i) % 250 + 1 for i in range(100)]  # token ids of the tiny model's vocabulary
-LOW, HIGH = (40, 100), (64, 8)  # (prompt tokens, new tokens)
+LOW, HIGH = (40, 900), (64, 8)  # (prompt tokens, new tokens)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,8 @@ def stacks(tmp_path_factory: pytest.TempPathFactory):
     (the embedded model's tokenizer) or, with PDSERVE_FEATURES_EMBEDDED=1, the embedded model (the
     TTFT figures in docs/benchmarks.md)."""
     model = [] if os.environ.get("PDSERVE_FEATURES_EMBEDDED") else \
-        ["--model", str(make_tiny_model(make_tokenizer_dir(tmp_path_factory.mktemp("features") / "tiny")))]
+        ["--model", str(make_tiny_model(make_tokenizer_dir(tmp_path_factory.mktemp("features") / "tiny"),
+                                         max_position_embeddings=1024))]
     port = free_port()
     colo = Proc("colocated", [sys.executable, "-m", "pdserve", "colocated", "--port", str(port), *COLO_FLAGS,
                               *model], f"http://127.0.0.1:{port}")
