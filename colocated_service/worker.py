@@ -11,11 +11,14 @@ report what the scheduler's outbox holds (`Scheduler.drain`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from engine.config import EngineConfig
 from engine.distributed.tp_runner import make_runner
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
 from engine.kvcache.kv_manager import KVManager
+from engine.request import Req
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sessions import SessionPins
 from service import messages as m
@@ -23,6 +26,7 @@ from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.stats import WorkerStats
 from service.tracing import scheduler_hook
+from service.watchdog import Progress, scheduler_progress
 from service.worker import req_from_msg, run_loop, setup_process, token_out
 
 
@@ -58,6 +62,13 @@ class ColocatedRole:
             self.sessions.finished(done)
             self.sessions.expire()
         return [token_out(r) for r in done]
+
+    def progress(self) -> Iterable[Progress]:
+        """For the watchdog (service.watchdog): queued requests move with the tokens this worker computes."""
+        return scheduler_progress(self.sched.waiting, self.sched.running, self.sched.exec.forward_tokens)
+
+    def fail(self, req: Req, why: str) -> None:
+        self.sched.fail(req, why)
 
     def close_session(self, session_id: str) -> None:
         """POST /close_session (or its expiry in the frontend): the session's KV is no longer pinned."""

@@ -13,12 +13,16 @@ RESUME_KEY = "pd_resume"  # body field: {"output_ids": [...], "id": str, "create
 PREFILL_HERE_KEY = "pd_prefill_here"
 
 
-def error_body(message: str, status: int, err_type: str | None = None, fault: str = "") -> dict[str, Any]:
-    """`{"error": {"message", "type", "code"[, "fault"]}}`; type defaults by status (4xx client, 5xx
-    server); `fault` (PD) names the role whose failure caused it, for the router."""
+def error_body(message: str, status: int, err_type: str | None = None, fault: str = "",
+               retry_after: int = 0) -> dict[str, Any]:
+    """`{"error": {"message", "type", "code"[, "fault"][, "retry_after"]}}`; type defaults by status (4xx
+    client, 5xx server); `fault` (PD) names the role whose failure caused it, for the router;
+    `retry_after` (an overloaded worker's 503): seconds the client should wait, as its Retry-After header."""
     if err_type is None:
         err_type = "invalid_request_error" if status < 500 else "server_error"
     err: dict[str, Any] = {"message": message, "type": err_type, "code": status}
     if fault:
         err["fault"] = fault
+    if retry_after:
+        err["retry_after"] = retry_after
     return {"error": err}

@@ -9,7 +9,12 @@ Queues of one request:
              does not fit retracts less urgent running ones (engine.scheduling.priority.preempt)
              With the prefix cache (on unless --disable-prefix-cache), the prompt's longest cached
              page-aligned prefix (never its last token) is taken from this decode's own tree,
-             locked, and pages are reserved only for the rest
+             locked, and pages are reserved only for the rest.
+             While it waits, its room is held (TransferManager.hold_room): the prefill hears that it
+             is queued here and keeps it waiting, computing nothing, so its bootstrap timeout never
+             ends a request this healthy decode will serve. Bounds: at most --max-queued-requests
+             wait (one more is refused at once) and each waits at most --queue-timeout seconds;
+             both refusals are 503 with Retry-After, and the prefill ends the room too
   transfer   a receiver for the room holds the pages; KV arrives from the prefill (waiting timeout);
              with --tp > 1 each message lands in a buffer of full pages that is scattered to every
              rank's pool, each rank its KV heads, as it lands (before the request joins running;
@@ -39,12 +44,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
+from engine.distributed import tp_runner
 from engine.distributed.tp_kv import scatter
-from engine.distributed.tp_runner import make_runner
 from engine.extras.features import from_meta
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
@@ -61,8 +68,11 @@ from service.config import PDConfig, ServerConfig
 from service.pd import TransferStats, make_transfer_manager, pd_request, scatters_kv, transfer_error
 from service.stats import WorkerStats
 from service.tracing import scheduler_hook
+from service.watchdog import QUEUED, WAITING_KV, Progress, scheduler_progress
 from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import ErrorCode, KVPoll, KVReceiver, TransferError, TransferManager
+
+RECENT_ADMISSIONS = 16  # admissions the Retry-After estimate of a refused request looks back on
 
 log = logging.getLogger("pdserve.decode")
 
@@ -72,8 +82,13 @@ class DecodeRole:
 
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
                  local_threshold: int = 0, local_budget: int = PDConfig.local_prefill_budget, local_max_queued: int = 0,
-                 local_max_running: int = 0) -> None:
+                 local_max_running: int = 0, max_queued: int = PDConfig.max_queued_requests,
+                 queue_timeout: float = PDConfig.queue_timeout_s) -> None:
         self.cfg, self.runner, self.kv, self.mgr = cfg, runner, kv, mgr
+        # the prealloc queue's bounds: requests waiting for KV memory, and seconds each may wait
+        self.max_queued, self.queue_timeout = max_queued, queue_timeout
+        self.refused = {"queue_rejected": 0, "queue_timed_out": 0}
+        self.admitted_at: deque[float] = deque(maxlen=RECENT_ADMISSIONS)  # when recent requests left prealloc
         # conditional disaggregation: prompts of at most local_threshold tokens are prefilled here,
         # at most local_budget prompt tokens per step beside the running decodes; so is a request the
         # router marks (its prefill is busy) while the local queue holds at most local_max_queued tokens;
@@ -106,6 +121,15 @@ class DecodeRole:
         if why:
             self._prefill_here(req, why)
             return []
+        if len(self.prealloc) >= self.max_queued:
+            self.refused["queue_rejected"] += 1
+            self._end_queued(req, FinishReason.ERROR, f"decode queue full: {len(self.prealloc)} queued for KV memory "
+                             f"(--max-queued-requests {self.max_queued})", 503, self._retry_after())
+            return []
+        try:
+            self.mgr.hold_room(room, req.pd.addr)  # its prefill keeps the room waiting while it is queued here
+        except ValueError as e:  # a bad bootstrap address
+            return [error_out(msg.rid, str(e), 400)]
         self.prefills["remote"] += 1
         self.prealloc.append(req)
         if req.trace is not None:
@@ -163,7 +187,7 @@ class DecodeRole:
         reason = msg.reason or "aborted"
         for r in [r for r in self.prealloc if hit(r)]:
             self.prealloc.remove(r)
-            self._report(r, FinishReason.ABORT, reason, 499)
+            self._end_queued(r, FinishReason.ABORT, reason, 499)
         for room, (r, rx, _) in list(self.transfer.items()):
             if hit(r):
                 rx.abort(reason)
@@ -184,12 +208,52 @@ class DecodeRole:
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
         self._poll_transfers()  # schedule: received prompts join the batch, failed rooms end
+        self._end_queued_rooms()  # queued requests whose prefill ended their room, or past --queue-timeout
         self._admit()  # schedule: prealloc -> transfer
         if self.sched.has_work():
             with self.mgr.background():  # receives, acks and heartbeats move during the forward
                 self.sched.step()  # run and postprocess
         self.mgr.progress()
         return [token_out(r) for r in self.outbox.drain()]
+
+    def _end_queued_rooms(self) -> None:
+        """End the prealloc requests whose room their prefill ended (it aborted, or it is lost), and those
+        that waited --queue-timeout seconds for KV memory (503 with Retry-After; the prefill ends it too)."""
+        ended = self.mgr.ended_rooms()
+        now = time.monotonic()
+        late = [r for r in self.prealloc if r.pd.room in ended or now - r.created > self.queue_timeout]
+        for r in late:
+            self.prealloc.remove(r)
+            err = ended.get(r.pd.room)  # type: ignore[arg-type]
+            if err is not None:
+                message, code, fault = transfer_error(err, "decode")
+                log.warning("rid=%s room=%d: %s", r.rid, r.pd.room, message)
+                self._report(r, FinishReason.ERROR, message, code, fault)
+            else:
+                self.refused["queue_timed_out"] += 1
+                self._end_queued(r, FinishReason.ERROR, f"waited {self.queue_timeout:g} s for decode KV memory "
+                                 "(--queue-timeout)", 503, self._retry_after())
+
+    def _retry_after(self) -> int:
+        """Seconds after which a request this decode refuses now may find its queue moved: the mean gap
+        between its recent admissions, or the time since the last one when longer (a stalled queue;
+        --queue-timeout when none was admitted yet); 1 at least, --queue-timeout at most."""
+        times, cap = self.admitted_at, math.ceil(self.queue_timeout)
+        gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        stalled = time.monotonic() - times[-1] if times else cap
+        return max(1, min(cap, math.ceil(max(gap, stalled))))
+
+    def _end_queued(self, r: Req, reason: FinishReason, error: str, code: int, retry_after: int = 0) -> None:
+        """End a request that holds no receiver (queued in prealloc, or refused before it): its prefill is
+        told to end the room too; `retry_after` (an overload 503) goes to the client with every choice."""
+        try:
+            self.mgr.end_room(r.pd.room, r.pd.addr, error, code, retry_after)  # type: ignore[arg-type]
+        except ValueError as e:  # a bad bootstrap address: its prefill never hears of this room
+            log.warning("rid=%s: %s", r.rid, e)
+        for c in choices(r):
+            c.retry_after = retry_after
+        log.info("rid=%s room=%d: %s", r.rid, r.pd.room, error)
+        self._report(r, reason, error, code)
 
     def _reserved_pages(self) -> int:
         rooms = [r for r, _, _ in self.transfer.values()]
@@ -235,6 +299,7 @@ class DecodeRole:
             return False
         assert self.prealloc[0] is r
         self.prealloc.popleft()
+        self.admitted_at.append(time.monotonic())
         self._receive(r)
         return True
 
@@ -264,7 +329,7 @@ class DecodeRole:
                                           namespace=r.cache_namespace)
         except (TransferError, ValueError) as e:
             code = int(e.code) if isinstance(e, TransferError) else 400
-            self._report(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
+            self._end_queued(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
             return
         self.transfer[r.pd.room] = (r, rx, time.monotonic())  # type: ignore[index]
         if r.trace is not None:
@@ -309,6 +374,7 @@ class DecodeRole:
         if r.trace is not None:
             r.trace.end("kv_transfer", refused="cached prefix")
             r.trace.begin("admission", room=room, prompt_tokens=r.num_prompt_tokens)
+        self.mgr.hold_room(room, r.pd.addr)  # type: ignore[arg-type]  # queued again: its prefill keeps waiting
         self.prealloc.appendleft(r)
 
     def _commit(self, r: Req, meta: dict) -> None:
@@ -361,7 +427,7 @@ class DecodeRole:
         s.queues.update(prealloc=len(self.prealloc), transfer=len(self.transfer))
         s.counters = dataclasses.replace(s.counters, **{f"prefills_{k}": v for k, v in self.prefills.items()},
                                          kv_pages_reused_on_decode=self.reuse["pages"],
-                                         kv_prefix_refused_by_prefill=self.reuse["refused"])
+                                         kv_prefix_refused_by_prefill=self.reuse["refused"], **self.refused)
         # the decode pool's autoscaling signals (pdserve_worker_kv_usage, pdserve_worker_running_requests);
         # the prefix cache's unlocked pages count as free
         s.kv.usage = round(self.kv.used_tokens / max(1, self.kv.pool.total_tokens), 4)
@@ -371,20 +437,48 @@ class DecodeRole:
         s.transfer = self.tstats.totals(reused_bytes=self.reuse["pages"] * self.page_bytes)
         return s
 
+    def progress(self) -> Iterable[Progress]:
+        """For the watchdog (service.watchdog): queued requests move with this worker (tokens computed,
+        transfers ended), a transfer with its room's state and pages landed, the rest as the scheduler's."""
+        worker = (self.sched.exec.forward_tokens, self.tstats.succeeded, self.tstats.failed)
+        for r in self.prealloc:
+            yield Progress(r, QUEUED, worker)
+        for r, rx, _ in self.transfer.values():
+            yield Progress(r, WAITING_KV, rx.moved)
+        yield from scheduler_progress(self.sched.waiting, self.sched.running, worker)
+
+    def fail(self, req: Req, why: str) -> None:
+        """End a request the watchdog found stuck, wherever it is held (its room aborted at the prefill)."""
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+            self._end_queued(req, FinishReason.ERROR, why, 503)  # its room is held: the prefill ends it too
+        elif req.pd.room in self.transfer and self.transfer[req.pd.room][0] is req:
+            self.transfer[req.pd.room][1].abort(why)
+            self._drop_transfer(req.pd.room)  # type: ignore[arg-type]
+            self._report(req, FinishReason.ERROR, why, 503)
+        else:
+            self.sched.fail(req, why)
+
     def close(self) -> None:
+        for r in self.prealloc:
+            self.mgr.end_room(r.pd.room, r.pd.addr, "decode worker shutting down", 503)  # type: ignore[arg-type]
         for _, rx, _ in self.transfer.values():
             rx.abort("decode worker shutting down")
         self.mgr.close()
 
 
-def run_decode_worker(cfg: ServerConfig) -> None:
+def run_decode_worker(cfg: ServerConfig,
+                      make_runner: Callable[[EngineConfig], ModelRunner] = tp_runner.make_runner) -> None:
+    """The decode worker process; `make_runner` builds the model runner (a TPRunner driving ranks
+    1..N-1 under --tp N; tests pass a wrapper)."""
     setup_process(cfg)
-    runner = make_runner(cfg.engine)  # a TPRunner driving ranks 1..N-1 under --tp N
+    runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
                    spec_for_server(cfg))
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
                       local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued,
-                      local_max_running=cfg.pd.local_prefill_max_running)
+                      local_max_running=cfg.pd.local_prefill_max_running, max_queued=cfg.pd.max_queued_requests,
+                      queue_timeout=cfg.pd.queue_timeout_s)
     info = {"role": "decode", **runner.server_info(), "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

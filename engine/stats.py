@@ -38,5 +38,6 @@ class SchedulerStats:
     reloads: int = 0  # total: retracted requests whose KV came back from the host pool
     forward_tokens: int = 0  # total: tokens run through the model
     window_freed_pages: int = 0  # total: pages freed because they slid out of every window
+    pool_truncated: int = 0  # total: requests ended at the KV pool's end (finish reason length)
     prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding totals (engine/extras/speculative)

@@ -4,7 +4,12 @@ Queues of one request (a room):
   bootstrap  sender created; waiting for the decode's TransferInfo (bootstrap timeout applies).
              A decode that holds the prompt's first pages itself (decode-side prefix reuse) names
              them by count and hash; if they hash as this prompt's, those pages are never sent
-             (Room.first_page), else the TransferInfo is refused and the decode asks again, whole
+             (Room.first_page), else the TransferInfo is refused and the decode asks again, whole.
+             A busy decode holds the request in its own queue until it has KV memory for it, and says
+             so in its heartbeats: such a room (stats queue "queued_at_decode") is kept waiting, its
+             bootstrap timeout counted from the decode's last word (counter rooms_kept_queued: rooms
+             kept past it); nothing is computed or held for it here meanwhile. A decode that ends it
+             there (its queue full or its queue deadline passed) has the room ended here too
   waiting    the decode is ready; prompt chunks run in extend batches under the token budget, in
              the waiting order (engine.scheduling.policy: --schedule-policy, sjf by default:
              shortest prompt first, aging bound; then priority when enabled), each new prompt
@@ -36,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -57,6 +62,7 @@ from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.pd import TransferStats, gathers_kv, make_transfer_manager, pd_request, transfer_error
 from service.stats import Counters, KVStats, WorkerStats
+from service.watchdog import PREFILL, SENDING_KV, WAITING_DECODE, Progress
 from service.worker import error_out, run_loop, setup_process, token_out
 from transfer import KVPoll, KVSender, TransferError, TransferManager
 
@@ -232,6 +238,8 @@ class PrefillRole:
         self.tstats.failed += 1
         message, code, fault = transfer_error(room.sender.error, "prefill")
         log.warning("rid=%s room=%d: %s", room.req.rid, room.req.pd.room, message)
+        if room.sender.error is not None:  # the decode refused it as overloaded: the same Retry-After
+            room.req.retry_after = room.sender.error.retry_after
         self._end(room, FinishReason.ERROR, message, code, fault)
 
     def _end(self, room: Room, reason: FinishReason | None = None, error: str | None = None, code: int = 0,
@@ -251,15 +259,40 @@ class PrefillRole:
         return len(self.bootstrap) + len(self.waiting) + len(self.inflight)
 
     def stats(self) -> WorkerStats:
+        link = self.mgr.stats()
+        queued = [room for room in self.bootstrap if room.sender.queued_at]  # waiting in their decode's queue
         return WorkerStats(
-            queues={"bootstrap": len(self.bootstrap), "waiting": len(self.waiting), "inflight": len(self.inflight)},
-            # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens)
+            queues={"bootstrap": len(self.bootstrap) - len(queued), "queued_at_decode": len(queued),
+                    "waiting": len(self.waiting), "inflight": len(self.inflight)},
+            # the prefill pool's autoscaling signal (pdserve_worker_queued_prompt_tokens); rooms queued at
+            # their decode wait for its memory, not for this pool's compute
             queued_prompt_tokens=sum(room.req.num_prompt_tokens - room.req.kv.kv_len
-                                     for room in (*self.bootstrap, *self.waiting)),
+                                     for room in (*self.bootstrap, *self.waiting) if not room.sender.queued_at),
             kv=KVStats(used_tokens=self.kv.used_tokens, total_tokens=self.kv.pool.total_tokens),
             active_rooms=self.mgr.active_rooms(),
-            counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined),
-            link=self.mgr.stats(), transfer=self.tstats.totals(), prefix=self.kv.cache_stats())
+            counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined,
+                              rooms_kept_queued=link.kept_queued),
+            link=link, transfer=self.tstats.totals(), prefix=self.kv.cache_stats())
+
+    def progress(self) -> Iterable[Progress]:
+        """For the watchdog (service.watchdog): a room waiting for its decode or for its turn to compute
+        moves with this worker (tokens computed, rooms ended) and with its sender's state; one computing,
+        with its computed tokens; one sending, with its sender's."""
+        worker = (self.exec.forward_tokens, self.tstats.succeeded, self.tstats.failed)
+        for room in self.bootstrap:
+            yield Progress(room.req, WAITING_DECODE, (worker, room.sender.moved))
+        for room in self.waiting:
+            yield Progress(room.req, PREFILL, (worker, room.req.kv.kv_len))
+        for room in self.inflight:
+            yield Progress(room.req, SENDING_KV, room.sender.moved)
+
+    def fail(self, req: Req, why: str) -> None:
+        """End a room the watchdog found stuck (its decode is told: the sender aborts)."""
+        for room in [*self.bootstrap, *self.waiting, *self.inflight]:
+            if room.req is req:
+                room.sender.abort(why)
+                self._end(room, FinishReason.ERROR, why, 503)
+                return
 
     def close(self) -> None:
         for room in [*self.bootstrap, *self.waiting, *self.inflight]:

@@ -74,8 +74,12 @@ async def _send_body(send: Send, status: int, body: bytes, headers: list | None 
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Send, status: int, message: str, headers: list | None = None) -> None:
-    await _send_body(send, status, orjson.dumps(error_body(message, status)), headers)
+async def _send_error(send: Send, status: int, message: str, headers: list | None = None,
+                      retry_after: int = 0) -> None:
+    """An error answer; with `retry_after` (seconds) both the body's `retry_after` and a Retry-After header."""
+    if retry_after:
+        headers = [*(headers or []), (b"retry-after", str(retry_after).encode())]
+    await _send_body(send, status, orjson.dumps(error_body(message, status, retry_after=retry_after)), headers)
 
 
 async def _send_stream(send: Send, receive: Receive, body: AsyncIterator[bytes]) -> None:
@@ -143,8 +147,7 @@ class ProxyEndpoints:
             await _send_error(send, 400, str(e))
         except ProxyError as e:
             status = e.status
-            retry = [] if e.retry_after_s is None else [(b"retry-after", str(e.retry_after_s).encode())]
-            await _send_error(send, e.status, e.message, retry)
+            await _send_error(send, e.status, e.message, retry_after=e.retry_after_s or 0)
         except ClientGone:
             status = 499
             await _send_body(send, 499, b"")

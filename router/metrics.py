@@ -4,6 +4,7 @@ per-worker gauges are read from the registry at scrape time by a custom collecto
     pdserve_router_requests_total{endpoint,status}    requests finished, by HTTP status (or "stream_error")
     pdserve_router_retries_total                      attempts re-run on another pair
     pdserve_router_prefill_here_total                 decodes asked to prefill (their prefill was busy)
+    pdserve_router_worker_busy_total{role}            overload refusals (a 503 with retry_after), tried elsewhere
     pdserve_router_ejections_total{role,url}          healthy -> ejected transitions
     pdserve_router_ttft_seconds                       router-side time to first streamed token event
     pdserve_router_itl_seconds                        router-side gap between streamed events
@@ -56,6 +57,10 @@ class RouterMetrics:
             "pdserve_router_prefill_here_total",
             "Requests whose decode was asked to prefill them (the picked prefill had --local-prefill-queue-tokens "
             "outstanding)", (), r)
+        self.worker_busy = LabeledCounter(
+            "pdserve_router_worker_busy_total",
+            "Attempts a worker refused as overloaded (a 503 with retry_after): not failures, tried on another "
+            "worker of the role", ("role",), r)
         self.migrations = LabeledCounter("pdserve_router_migrations_total",
                                          "Streams moved to another pair after their decode failed mid-stream", (), r)
         self.ejections = LabeledCounter("pdserve_router_ejections_total",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,11 +166,25 @@ def merge_input_logprobs(endpoint: str, prefill: dict, decode: Any) -> Any:
     return decode
 
 
+def _error_field(obj: Any, key: str) -> Any:
+    """`obj["error"][key]` of a worker's error object, or None."""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err.get(key) if isinstance(err, dict) else None
+
+
 def fault_of(obj: Any) -> str:
     """The PD role a worker's error object blames ("prefill" | "decode"), or "" when it blames none."""
-    err = obj.get("error") if isinstance(obj, dict) else None
-    fault = err.get("fault") if isinstance(err, dict) else None
+    fault = _error_field(obj, "fault")
     return fault if fault in ("prefill", "decode") else ""
+
+
+def retry_after_of(obj: Any) -> int:
+    """The seconds an overloaded worker's error object asks a client to wait (`error.retry_after`, from
+    common.http.error_body), or 0 when it names none: only an error with one is an overload refusal."""
+    value = _error_field(obj, "retry_after")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        return 0
+    return math.ceil(value)
 
 
 def error_of(obj: Any) -> tuple[int, str] | None:

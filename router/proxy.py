@@ -13,6 +13,10 @@
    relayed, not retried. A client disconnect aborts both sides. When no worker of a role is eligible,
    the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
    with Retry-After.
+   An overload refusal (a 503 whose error names `retry_after`: a full queue, a queue deadline passed;
+   for a stream, its first event) is no failure: nothing is recorded against the worker, the attempt
+   is re-run on another worker of that role that has not refused the request (within `max_retries`),
+   and when none is left the client gets that 503 with the largest Retry-After the workers named.
 4. Once streaming began, a failure of D (transport error, stream cut before `[DONE]`, a 5xx error
    event) migrates the stream (router/migration.py): the request goes to another pair
    with the prompt plus the tokens streamed so far and the remaining budget, and the client's stream
@@ -41,7 +45,15 @@ from router.http1 import Response
 from router.metrics import RouterMetrics
 from router.migration import StreamLedger, migratable, with_token_ids
 from router.policies import Policy
-from router.protocol import ProxyRequest, error_body, error_of, fault_of, merge_input_logprobs, sse_event
+from router.protocol import (
+    ProxyRequest,
+    error_body,
+    error_of,
+    fault_of,
+    merge_input_logprobs,
+    retry_after_of,
+    sse_event,
+)
 from router.registry import Lease, Registry, Worker
 from router.sse import ERROR_KEY, SSEReader, event_json, is_done
 
@@ -74,10 +86,16 @@ class SideResult:
     message: str = ""
     raw: bytes = b""  # the body as received (relayed as is when nothing was merged into it)
     fault: str = ""  # the role the worker's error blames ("prefill" | "decode"), "" = itself
+    retry_after: int = 0  # an overload refusal's seconds to wait (its error's `retry_after`), 0 = none
 
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300 and error_of(self.body) is None
+
+    @property
+    def busy(self) -> bool:
+        """An overload refusal: the worker is sound but full, so another worker of its role is tried."""
+        return self.status == 503 and self.retry_after > 0
 
     @property
     def worker_fault(self) -> bool:
@@ -85,13 +103,33 @@ class SideResult:
 
 
 class AttemptFailed(Exception):
-    """One attempt failed; `side`/`worker` is who is blamed, which may be the other side of `result`."""
+    """One attempt failed; `side`/`worker` is who is blamed (or refused it, `result.busy`), which may be
+    the other side of `result`."""
 
     def __init__(self, side: str, worker: Worker, result: SideResult) -> None:
         super().__init__(f"{side} {worker.url}: {result.message}")
         self.side = side
         self.worker = worker
         self.result = result
+
+
+class Refusals:
+    """The workers that refused one request as overloaded (`SideResult.busy`), by role: never picked again
+    for it. `error()` is the client's 503 once none is left: the last refusal's message and the largest
+    Retry-After any of them named."""
+
+    def __init__(self) -> None:
+        self.urls: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        self.message = ""
+        self.retry_after_s = 0
+
+    def add(self, role: str, worker: Worker, res: SideResult) -> None:
+        self.urls[role].add(worker.url)
+        self.message = res.message or f"{role} worker {worker.url} is overloaded"
+        self.retry_after_s = max(self.retry_after_s, res.retry_after)
+
+    def error(self) -> ProxyError:
+        return ProxyError(503, self.message, retry_after_s=self.retry_after_s)
 
 
 @dataclass
@@ -119,11 +157,16 @@ def _result(w: Worker, status: int, content: bytes) -> SideResult:
         body = None
     err = error_of(body)
     if err is not None:
-        return SideResult(w, status if status >= 400 else err[0], body, err[1], fault=fault_of(body))
+        return _error_result(w, status if status >= 400 else err[0], body, err[1])
     if 200 <= status < 300 and body is None:
         return SideResult(w, 502, None, "worker answered with a body that is not JSON")
     message = "" if status < 400 else content[:500].decode("utf-8", "replace")
     return SideResult(w, status, body, message, content)
+
+
+def _error_result(w: Worker, status: int, obj: Any, message: str) -> SideResult:
+    """A worker's error object (a JSON body or a stream's first event) as its side's result."""
+    return SideResult(w, status, obj, message, fault=fault_of(obj), retry_after=retry_after_of(obj))
 
 
 async def _never() -> None:
@@ -178,10 +221,14 @@ class Proxy:
         return self._relay(req, start, p, d, room, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
-    async def _pick(self, role: str, prefix: str, tried: set[str], span: Any = None, adapter: str = "") -> Worker:
+    async def _pick(
+        self, role: str, prefix: str, tried: set[str], refused: Refusals, span: Any = None, adapter: str = ""
+    ) -> Worker:
+        """An eligible worker of `role` that has not refused the request, one it has not tried when there is
+        one; ProxyError 503 when none is eligible (after `worker_wait_s`) or every eligible one refused."""
         if span is not None:
-            return await spans.traced_pick(lambda: self._pick(role, prefix, tried, None, adapter), span, role,
-                                           len(tried), lambda: len(self.registry.eligible(role)))
+            return await spans.traced_pick(lambda: self._pick(role, prefix, tried, refused, None, adapter), span,
+                                           role, len(tried), lambda: len(self.registry.eligible(role)))
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
             raise ProxyError(
@@ -189,19 +236,23 @@ class Proxy:
                 f"no healthy {role} worker available (waited {self.worker_wait_s:g}s for one)",
                 retry_after_s=self.retry_after_s,
             )
-        fresh = [w for w in eligible if w.url not in tried]
-        return self.policies[role].pick(lora.prefer(fresh or eligible, adapter), prefix)
+        willing = [w for w in eligible if w.url not in refused.urls[role]]
+        if not willing:
+            raise refused.error()
+        fresh = [w for w in willing if w.url not in tried]
+        return self.policies[role].pick(lora.prefer(fresh or willing, adapter), prefix)
 
     async def _with_retries(self, req: ProxyRequest, attempt, avoid_decode: str = ""):
         tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}}
+        refused = Refusals()
         last: AttemptFailed | None = None
         for n in range(self.max_retries + 1):
-            if n:
-                self.metrics.retries.inc()
             span = None if req.trace is None else spans.attempt_span(req.trace, n)
             try:
-                p = await self._pick("prefill", req.prefix, tried["prefill"], span, lora.adapter_of(req))
-                d = await self._pick("decode", req.prefix, tried["decode"], span, lora.adapter_of(req))
+                p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, lora.adapter_of(req))
+                d = await self._pick("decode", req.prefix, tried["decode"], refused, span, lora.adapter_of(req))
+                if n:  # a retry is an attempt made again (not one every worker refused before it began)
+                    self.metrics.retries.inc()
                 room = secrets.randbits(63)
                 if span is not None:
                     span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})
@@ -209,22 +260,33 @@ class Proxy:
             except AttemptFailed as e:
                 if span is not None:
                     spans.attempt_failed(span, e.side, e.worker.url, str(e))
-                if not e.result.worker_fault:
+                if e.result.busy:
+                    self.metrics.worker_busy.inc(role=e.side)
+                    refused.add(e.side, e.worker, e.result)
+                elif not e.result.worker_fault:
                     raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
-                tried[e.side].add(e.worker.url)
+                else:
+                    tried[e.side].add(e.worker.url)
                 last = e
             finally:
                 if span is not None:
                     span.end()
         assert last is not None
+        if last.result.busy:  # the attempts ran out on a refusal: the client waits as the workers asked
+            raise refused.error()
         status = 504 if "Timeout" in last.result.message else 502
         raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
 
     def _check(self, side: str, res: SideResult, pair: dict[str, Worker]) -> None:
-        """Record one side's answer; a failure raises AttemptFailed blaming the worker at fault."""
+        """Record one side's answer; a failure raises AttemptFailed blaming the worker at fault, an overload
+        refusal raises it naming the side that refused (and records nothing)."""
         if res.ok:
             self.registry.record_success(res.worker)
             return
+        if res.busy:  # refused as overloaded (the side its fault names, e.g. a prefill relaying its decode's
+            # refusal): the worker is sound, nothing is recorded against it
+            refuser = res.fault if res.fault in pair else side
+            raise AttemptFailed(refuser, pair[refuser], res)
         blamed = res.fault if res.fault in pair and res.worker_fault else side
         if res.worker_fault:
             self.registry.record_failure(pair[blamed], f"{res.message} (reported by {side} {res.worker.url})")
@@ -365,7 +427,7 @@ class Proxy:
             obj = event_json(first)
             err = error_of(obj)
             if err is not None:
-                return SideResult(w, err[0], obj, err[1], fault=fault_of(obj)), None
+                return _error_result(w, err[0], obj, err[1]), None
             start = StreamStart(resp, reader, first, lease)
             resp = lease = None  # owned by the StreamStart now
             return SideResult(w, 200, obj), start

@@ -46,8 +46,10 @@ class PDConfig:
                                  "0.0.0.0)", group=TRANSFER, roles=PD_ROLES)  # "" in a config built without flags
     transfer_backend: str = option("ucx", "KV transfer backend (fake moves no bytes: tests only)", group=TRANSFER,
                                    roles=PD_ROLES, choices=("ucx", "fake"))
-    bootstrap_timeout_s: float = option(60.0, "seconds a prefill waits for the decode's TransferInfo",
-                                        group=TRANSFER, roles=PD_ROLES, name="--bootstrap-timeout")
+    bootstrap_timeout_s: float = option(
+        60.0, "seconds a prefill waits for the decode's TransferInfo, counted again from each word of the decode "
+        "that the request waits in its queue for KV memory; a decode says so at least 3 times per this many seconds "
+        "(give both roles the same value)", group=TRANSFER, roles=PD_ROLES, name="--bootstrap-timeout")
     waiting_timeout_s: float = option(120.0, "seconds a decode waits for a room's KV to arrive", group=TRANSFER,
                                       roles=PD_ROLES, name="--waiting-timeout")
     heartbeat_interval_s: float = option(5.0, "seconds between transfer heartbeats; 3 missed fail the peer's rooms",
@@ -78,6 +80,14 @@ class PDConfig:
         "this many requests decode or wait for a local step here (those waiting for their KV do not count); at or "
         "above it the prompt goes to its prefill, so a busy decode spends its steps on its streams (default 4: "
         "goodput under an SLO in docs/benchmarks.md). 0: no bound", group=TRANSFER, roles=("decode",))
+    max_queued_requests: int = option(
+        1024, "requests that may wait in this decode's queue for KV memory (its prefill keeps each one waiting, "
+        "computing nothing); a request arriving when it is full is refused at once with 503 and Retry-After, so "
+        "the router can try another decode (default 1024)", group=TRANSFER, roles=("decode",))
+    queue_timeout_s: float = option(
+        300.0, "seconds one request may wait in this decode's queue for KV memory before it is refused with 503 and "
+        "Retry-After (its prefill ends it too); keep it under the router's request timeout (600 s) so the router "
+        "has time to try another decode (default 300)", group=TRANSFER, roles=("decode",), name="--queue-timeout")
     cluster_token: str | None = option(None, "file holding a shared token; control messages without it are "
                                        "refused", group=TRANSFER, roles=PD_ROLES, name="--cluster-token-file",
                                        dest="cluster_token_file")
@@ -97,6 +107,10 @@ class PDConfig:
             raise ValueError("--local-prefill-max-queued must be >= 0")
         if self.local_prefill_max_running < 0:
             raise ValueError("--local-prefill-max-running must be >= 0 (0: no bound)")
+        if self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("--queue-timeout must be > 0")
 
     def transfer_config(self, role: str) -> TransferConfig:
         """The transfer layer's config of a `role` worker: the fields both configs name alike, by name; the
@@ -131,6 +145,12 @@ class ServerConfig:
     drain_grace_s: float = option(30.0, "seconds in-flight requests may run after SIGTERM before they are aborted",
                                   name="--drain-grace")
     ipc_dir: str = ""  # where the zmq ipc sockets live; "" = a fresh temp dir (PDSERVE_IPC_DIR)
+    watchdog_timeout_s: float = option(
+        300.0, "a request that makes no progress for this many seconds while the worker runs is ended with a 503 "
+        "naming the stage it was stuck in (queued, computing the prompt, waiting for KV, decoding, ...), counted "
+        "in pdserve_worker_watchdog_ended_total and logged once. A queued request progresses while its worker "
+        "computes or moves KV for anyone; waits with their own bound (--queue-timeout, --bootstrap-timeout, "
+        "--waiting-timeout) end by it first when shorter. 0: off", name="--watchdog-timeout")
 
     @property
     def endpoints(self) -> Endpoints:
@@ -150,6 +170,8 @@ class ServerConfig:
             raise ValueError(f"--embedding-pooling must be last or mean, got {self.embedding_pooling!r}")
         if self.drain_grace_s < 0:
             raise ValueError("--drain-grace must be >= 0")
+        if self.watchdog_timeout_s < 0:
+            raise ValueError("--watchdog-timeout must be >= 0 (0: off)")
 
 
 def server_specs(role: str, default: Any = FIELD) -> list[Spec]:  # noqa: ANN401

@@ -202,6 +202,12 @@ def _failed(trs: list[RequestTracker]) -> RequestTracker | None:
     return next((t for t in trs if t.failed), None)
 
 
+def _error_of(tr: RequestTracker) -> dict[str, Any]:
+    """A failed request's error object: its message and status, the PD peer to blame (`fault`) and, for an
+    overload refusal, `retry_after` (the router tries another worker; a client waits that long)."""
+    return error_body(tr.error_message(), tr.error_status(), fault=tr.fault, retry_after=tr.retry_after)
+
+
 async def _collect(state: FrontendState, trs: list[RequestTracker], queue: asyncio.Queue,
                    request: Request, endpoint: str) -> Response:
     tr = trs[0]
@@ -220,8 +226,8 @@ async def _collect(state: FrontendState, trs: list[RequestTracker], queue: async
         if not all(t.finished for t in trs):  # n > 1: one choice failed, the others stop with it
             state.bridge.send_soon(AbortReq(rid=tr.rid, reason="another choice of the request failed"))
         _log_finish(trs, bad.error_status(), endpoint, state)
-        return JSONResponse(error_body(bad.error_message(), bad.error_status(), fault=bad.fault),
-                            status_code=bad.error_status())
+        retry = {"Retry-After": str(bad.retry_after)} if bad.retry_after > 0 else None
+        return JSONResponse(_error_of(bad), status_code=bad.error_status(), headers=retry)
     _log_finish(trs, 200, endpoint, state)
     return JSONResponse(choices_body(trs))
 
@@ -237,7 +243,7 @@ async def _stream(state: FrontendState, trs: list[RequestTracker], queue: asynci
             delta = tr.consume(out)
             if tr.failed:
                 status = tr.error_status()
-                yield sse(error_body(tr.error_message(), status, fault=tr.fault))
+                yield sse(_error_of(tr))  # the status is 200 by now: an overload's retry_after is in the body only
                 break
             for chunk in stream_chunks(tr, delta, first[tr.index]):
                 yield chunk

@@ -156,6 +156,9 @@ class TokenOut:
     error_code: int = 0
     # PD only: the role ("prefill" | "decode") whose failure caused this error, when it is the peer's
     fault: str = ""
+    # an overload error (503: a full queue, a queue deadline passed): seconds the client should wait
+    # before retrying (a Retry-After header; the router tries another worker first); 0: not one
+    retry_after: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

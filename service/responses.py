@@ -71,6 +71,7 @@ class RequestTracker:
         self.error: str | None = None
         self.error_code = 0
         self.fault = ""  # PD role to blame for the error when it was the peer's (see TokenOut.fault)
+        self.retry_after = 0  # an overload error's Retry-After, seconds (see TokenOut.retry_after)
         self.prompt_tokens = len(parsed.req.input_ids) - self.resumed
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -117,6 +118,7 @@ class RequestTracker:
             self.finish_reason = out.finish_reason or "stop"
             self.matched_stop = out.matched_stop
             self.error, self.error_code, self.fault = out.error, out.error_code, out.fault
+            self.retry_after = out.retry_after
             self.prompt_tokens = out.prompt_tokens - self.resumed if out.prompt_tokens else self.prompt_tokens
             self.completion_tokens = (out.completion_tokens or len(self.output_ids)) + self.resumed
             self.cached_tokens = out.cached_tokens
@@ -165,8 +167,8 @@ class RequestTracker:
 def _finish_obj(tr: RequestTracker) -> dict[str, Any] | None:
     if not tr.finished:
         return None
-    if tr.finish_reason == "length":
-        return {"type": "length", "length": len(tr.output_ids)}
+    if tr.finish_reason == "length":  # `message`: why, when a server limit (the KV pool) ended it
+        return {"type": "length", "length": len(tr.output_ids), **({"message": tr.error} if tr.error else {})}
     return {"type": tr.finish_reason, "matched": tr.matched_stop}
 
 

@@ -59,6 +59,15 @@ class Counters:
     kv_pages_reused_on_decode: int | None = None  # decode: prompt pages its prefix cache held
     kv_prefix_refused_by_prefill: int | None = None  # decode: prefix offers the prefill refused
     rooms_prefilled_on_decode: int | None = None  # prefill: rooms the decode took over
+    # overload (docs/reliability.md): requests ended because they outgrew the whole KV pool (finish
+    # reason "length"), by the watchdog (no progress), and on a PD decode refused by its full queue or
+    # past its queue deadline (503 with Retry-After); rooms a prefill kept waiting past its bootstrap
+    # timeout because their decode said they were queued
+    pool_truncated: int | None = None
+    watchdog_ended: int | None = None
+    queue_rejected: int | None = None
+    queue_timed_out: int | None = None
+    rooms_kept_queued: int | None = None
 
     def present(self) -> dict[str, int]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
@@ -98,7 +107,7 @@ class WorkerStats:
                               host_used_pages=s.host_kv_used_pages),
                    prefix=s.prefix,
                    counters=Counters(retractions=s.retractions, reloads=s.reloads, forward_tokens=s.forward_tokens,
-                                     window_freed_pages=s.window_freed_pages),
+                                     window_freed_pages=s.window_freed_pages, pool_truncated=s.pool_truncated),
                    spec=s.spec if s.spec.method else None)
 
 

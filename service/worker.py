@@ -32,6 +32,7 @@ from service.channels import WorkerChannels
 from service.config import ServerConfig
 from service.stats import WorkerStats
 from service.tracing import ReqTrace
+from service.watchdog import Progress, Watchdog
 
 log = logging.getLogger("pdserve.worker")
 
@@ -63,6 +64,7 @@ def token_out(r: Req) -> m.TokenOut:
         rid=r.choice.group or r.rid, index=r.choice.index, new_token_ids=r.token_ids[r.num_prompt_tokens + sent :],
         finished=r.finished, finish_reason=r.finish_reason.value if r.finish_reason else None,
         matched_stop=r.matched_stop, error=r.error, error_code=r.error_code, fault=r.error_fault,
+        retry_after=r.retry_after,
         prompt_tokens=r.num_prompt_tokens, completion_tokens=r.num_output_tokens, cached_tokens=r.kv.cached_tokens,
     )
     if r.logprobs.on:
@@ -101,6 +103,8 @@ class Role(Protocol):
     def stats(self) -> WorkerStats: ...  # typed numbers for a StatsOut (the loop sets `time`)
     def busy(self) -> int: ...  # requests held anywhere in the role (0: idle, the cache may be flushed)
     def wait(self, io: WorkerChannels) -> None: ...  # block until a message, a transfer event or a timer
+    def progress(self) -> Iterable[Progress]: ...  # every request held, its stage and mark (service.watchdog)
+    def fail(self, req: Req, why: str) -> None: ...  # end a request the watchdog found stuck (a 503)
     def close(self) -> None: ...
 
 
@@ -131,14 +135,15 @@ class Dispatch:
     Requests (generate, abort, a session's close: engine.scheduling.sessions) report through the
     role's steps; a control message (stats, flush, embeddings, LoRA) is answered at once (`reply`)."""
 
-    def __init__(self, cfg: ServerConfig, role: Role, info: dict, reply: Callable[[Reply], None]) -> None:
+    def __init__(self, cfg: ServerConfig, role: Role, info: dict, reply: Callable[[Reply], None],
+                 watchdog: Watchdog | None = None) -> None:
         self.reply = reply
         self.table: dict[type, Callable[[Any], list[m.TokenOut]]] = {}
         self.on(m.GenerateReq, role.add)
         self.on(m.AbortReq, _reported_later(role.abort))
         self.on(m.CloseSessionReq, _reported_later(lambda msg: role.close_session(msg.session_id)))
         self.answer(m.StatsReq, lambda msg: m.StatsOut(token=msg.token, info=info,
-                                                       stats=replace(role.stats(), time=time.time())))
+                                                       stats=_stats(role, watchdog)))
         self.answer(m.FlushCacheReq, lambda msg: flush_cache(role, msg.token))
         chunk = cfg.engine.chunked_prefill_size  # service/embeddings.py: one forward per input, now
         self.answer(m.EmbedReq, lambda msg: embeddings.handle_worker(role, msg, chunk))
@@ -166,6 +171,14 @@ class Dispatch:
         return outs
 
 
+def _stats(role: Role, watchdog: Watchdog | None) -> WorkerStats:
+    """The role's stats, stamped with the worker's clock and the watchdog's count."""
+    s = replace(role.stats(), time=time.time())
+    if watchdog is not None:
+        s.counters = replace(s.counters, watchdog_ended=watchdog.ended)
+    return s
+
+
 def _reported_later(call: Callable[[Msg], object]) -> Callable[[Msg], list[m.TokenOut]]:
     """A role call that reports nothing now (what it ends is reported by the role's next step)."""
 
@@ -187,7 +200,8 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
     # loaded, and then os.getppid() here would already name init and never change
     spawner = mp.parent_process()
     parent = spawner.pid if spawner is not None else os.getppid()
-    dispatch = Dispatch(cfg, role, info, io.outbox.send)
+    watchdog = Watchdog(cfg.watchdog_timeout_s)
+    dispatch = Dispatch(cfg, role, info, io.outbox.send, watchdog)
     io.outbox.send(m.StatsOut(token=-1, info={**info, "ready": True}))
     log.info("worker ready: %s", {k: info[k] for k in ("role", "model_path", "max_total_tokens") if k in info})
     try:
@@ -196,6 +210,7 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
                 role.wait(io)
             outs = dispatch(io.inbox.recv_all())  # take messages
             outs.extend(role.step())  # schedule -> run -> postprocess
+            watchdog.check(role.progress, role.fail, time.monotonic())  # what it ends, the next step reports
             if outs:
                 io.outbox.send(m.TokenBatch(outs=outs))  # report
     finally:

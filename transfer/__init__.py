@@ -7,6 +7,8 @@ API (one TransferManager per worker process; the worker loop calls progress() ev
     s.abort(r); s.release()
     mgr = TransferManager(TransferConfig(role="decode"), kv_pool, compat)
     r = mgr.create_receiver(room, "host:port", dst_pages, cached_ids); r.poll(); r.metadata; r.release()
+    mgr.hold_room(room, "host:port")   # queued for KV memory: its prefill keeps the room waiting
+    mgr.end_room(room, "host:port", reason, code); mgr.ended_rooms()   # a held room ended by either side
     with mgr.background(): run_forward()   # the progress thread moves bytes/acks/heartbeats meanwhile
 
 State per room, ordered so min() over ranks/rooms is the consensus:
@@ -36,7 +38,9 @@ Message flow (transfer/messages.py, msgpack with `version`, cluster token on eve
                     <=== UCX tagged messages, tag = (slot << 32) | seq ====================
                     <--- ChunkManifest(room, [[seq, dst positions]], total, is_last, meta) -
     TransferStatus(SUCCESS) ------------------------------------------------------------->
-    Heartbeat (every interval while rooms are active) <-> Heartbeat reply
+    Heartbeat (every interval while rooms are active or held) <-> Heartbeat reply
+      (lists the decode's rooms with that prefill; one still BOOTSTRAPPING there waits in the
+       decode's queue: its bootstrap timer counts from that heartbeat)
     Abort <-> AbortAck (either direction)
 
 KV layout: kv_pool [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], page-major, so a

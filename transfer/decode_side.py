@@ -10,6 +10,12 @@
 3. Each ChunkManifest announces tagged UCX messages; the receiver probes for them and receives
    straight into consecutive dst pages, or into a staging buffer it scatters.
 4. All pages + metadata in place -> SUCCESS, acked to the prefill with TransferStatus(SUCCESS).
+Queued rooms: hold(room, "host:port") before a receiver exists, while the request waits in this
+decode's queue for KV memory (the peer is bootstrapped if needed). Every Heartbeat to that prefill
+lists the rooms held with it (and those in flight), so it keeps them waiting: heartbeats go out while
+any room is held, at least 3 times per bootstrap_timeout_s (the prefill's timer). create_receiver()
+takes the hold over; end(room, ...) drops it and tells the prefill to end the room too (an Abort). A
+held room the prefill ends (its Abort), or whose prefill is lost, is reported by take_ended().
 Timers: KV not complete within waiting_timeout_s -> FAILED + Abort; a prefill silent for 3
 heartbeat intervals -> its rooms FAILED and the peer forgotten (the next room bootstraps again).
 A peer silent for a heartbeat interval with no room in flight may have been restarted at the same
@@ -109,6 +115,8 @@ class DecodeSide:
         self.peers: dict[str, _Peer] = {}
         self.dropped = Dropped()
         self.dead_slots: dict[int, float] = {}  # slot -> quarantine end
+        self.held: dict[int, str] = {}  # room waiting in this decode's queue -> its bootstrap address
+        self.ended: dict[int, TransferError] = {}  # held rooms the prefill ended (take_ended)
         self.draining: list[Handle] = []
         self._next_slot = random.randrange(1, 1 << 31)
         self._next_hb = 0.0
@@ -125,6 +133,7 @@ class DecodeSide:
         if room in self.receivers:
             raise TransferError(ErrorCode.DUPLICATE_ROOM, f"room {room}: a receiver already exists")
         endpoint = _parse_addr(bootstrap_addr)
+        self.held.pop(room, None)  # its queue wait is over: the receiver speaks for it now
         n = self.pages.shape[0]
         if not dst_pages or any(not 0 <= p < n for p in dst_pages) or len(set(dst_pages)) != len(dst_pages):
             raise ValueError(f"room {room}: dst_pages must be distinct page indices in 0..{n - 1}")
@@ -146,6 +155,30 @@ class DecodeSide:
         peer = self._peer(bootstrap_addr, _parse_addr(bootstrap_addr))
         peer.send(TransferInfo(room, self.engine_id, b"", [], 0, self.compat.digest(), self.compat.to_dict(),
                                local_prefill=True))
+
+    def hold(self, room: int, bootstrap_addr: str) -> None:
+        """The room waits in this decode's queue: its prefill hears so in every heartbeat and keeps
+        it waiting (ValueError: not a host:port address)."""
+        self._peer(bootstrap_addr, _parse_addr(bootstrap_addr))
+        self.held[room] = bootstrap_addr
+        self._next_hb = min(self._next_hb, time.monotonic() + self._beat_period())  # the first word comes soon
+
+    def end(self, room: int, bootstrap_addr: str, reason: str, code: int, retry_after: int = 0) -> None:
+        """This decode ends a room it opened no receiver for (refused, or ended in its queue): the
+        prefill ends it too (an Abort), unless it ended it first. ValueError: not a host:port address."""
+        self.held.pop(room, None)
+        if self.ended.pop(room, None) is None:
+            self._peer(bootstrap_addr, _parse_addr(bootstrap_addr)).send(Abort(room, reason, int(code), retry_after))
+
+    def take_ended(self) -> dict[int, TransferError]:
+        """Held rooms ended by their prefill (its Abort) or with it (lost, or it refused us) since the
+        last call, each with why; they are held no longer."""
+        out, self.ended = self.ended, {}
+        return out
+
+    def _end_held(self, room: int, err: TransferError) -> None:
+        if self.held.pop(room, None) is not None:
+            self.ended[room] = err
 
     def _active(self, peer: _Peer) -> list[int]:
         """The peer's rooms still in flight."""
@@ -238,9 +271,12 @@ class DecodeSide:
             recv.on_manifest(msg.segments, msg.total_pages, msg.is_last, msg.metadata)
         elif isinstance(msg, Abort):
             peer.send(AbortAck(msg.room))
+            code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
             if recv is not None:
-                code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
                 recv.fail(code, f"aborted by prefill: {msg.reason}", peer_fault=True)
+            elif self.held.get(msg.room) == peer.addr:
+                self._end_held(msg.room, TransferError(code, f"room {msg.room}: aborted by prefill: {msg.reason}",
+                                                       peer_fault=True))
         elif isinstance(msg, BootstrapQuery | TransferInfo | PrefillRegistration):
             self.dropped.add("unexpected", f"{type(msg).__name__} from {peer.addr}")
 
@@ -272,16 +308,18 @@ class DecodeSide:
             if recv.state not in TERMINAL and now - recv.created_at > cfg.waiting_timeout_s:
                 recv.fail(ErrorCode.TIMEOUT, f"KV not complete within {cfg.waiting_timeout_s}s "
                           f"(state {recv.state.name})", tell_peer=True, peer_fault=True)
+        beat = now >= self._next_hb
+        queued = self._held_by_peer() if beat else {}
         for peer in list(self.peers.values()):
             active = self._active(peer)
             if active and now - peer.last_seen > cfg.peer_lost_s:
                 self._fail_peer(peer, ErrorCode.PEER_LOST, f"prefill {peer.addr} missed 3 heartbeats "
                                 f"({cfg.peer_lost_s:g}s)", peer_fault=True)
-            elif active and now >= self._next_hb and peer.ctrl is not None:
+            elif beat and (active or peer.addr in queued) and peer.ctrl is not None:
                 peer.hb_seq += 1
-                peer.ctrl.send(Heartbeat(self.engine_id, peer.hb_seq, sorted(active)))
-        if now >= self._next_hb:
-            self._next_hb = now + cfg.heartbeat_interval_s
+                peer.ctrl.send(Heartbeat(self.engine_id, peer.hb_seq, sorted(active + queued.get(peer.addr, []))))
+        if beat:
+            self._next_hb = now + self._beat_period()
         if now >= self._next_sweep and self.dead_slots:
             self._next_sweep = now + SWEEP_INTERVAL_S
             for slot, until in list(self.dead_slots.items()):
@@ -290,11 +328,26 @@ class DecodeSide:
                 if now > until:
                     del self.dead_slots[slot]
 
+    def _beat_period(self) -> float:
+        """Seconds between heartbeats: a held room's prefill times it out bootstrap_timeout_s after our last
+        word, so while rooms are held we speak at least 3 times as often."""
+        cfg = self.cfg
+        return min(cfg.heartbeat_interval_s, cfg.bootstrap_timeout_s / 3) if self.held else cfg.heartbeat_interval_s
+
+    def _held_by_peer(self) -> dict[str, list[int]]:
+        """The held rooms by their prefill's bootstrap address."""
+        out: dict[str, list[int]] = {}
+        for room, addr in self.held.items():
+            out.setdefault(addr, []).append(room)
+        return out
+
     def _fail_peer(self, peer: _Peer, code: ErrorCode, message: str, peer_fault: bool = False) -> None:
         for room in peer.rooms:
             recv = self.receivers.get(room)
             if recv is not None:
                 recv.fail(code, message, peer_fault=peer_fault)
+        for room in [r for r, addr in self.held.items() if addr == peer.addr]:
+            self._end_held(room, TransferError(code, f"room {room}: {message}", peer_fault))
         peer.close()
         self.peers.pop(peer.addr, None)
 

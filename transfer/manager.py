@@ -3,7 +3,9 @@
 The worker loop calls progress() every iteration (never blocks) and idle_wait() when it has
 nothing else to do (sleeps on the zmq sockets and the UCX worker's fd, at most until the next
 timer). Rooms are created with create_sender (prefill) / create_receiver (decode), polled by the
-scheduler, and released after their terminal state was consumed; active_rooms() counts them.
+scheduler, and released after their terminal state was consumed; active_rooms() counts them. A
+decode holds a room that waits in its queue for KV memory with hold_room (its prefill keeps the room
+waiting meanwhile) and ends one it opened no receiver for with end_room (its prefill ends it too).
 
 Progress during a forward: the worker runs each forward inside `with mgr.background():`. For that
 long, and only then, a progress thread owns the transfer state (one lock: the worker thread holds
@@ -35,6 +37,7 @@ from transfer.decode_side import DecodeSide
 from transfer.layout import page_view
 from transfer.prefill_side import PrefillSide
 from transfer.rooms import KVReceiver, KVSender
+from transfer.state import ErrorCode, TransferError
 from transfer.stats import LinkStats
 
 log = logging.getLogger(__name__)
@@ -117,15 +120,34 @@ class TransferManager:
         `dst_pages` are for the prompt's pages after them. `staged` (a TP > 1 decode, whose pool
         holds only rank 0's heads): each message lands in a buffer of full wire pages that the caller
         takes with `receiver.landed()` and scatters to its ranks; the pool is never written."""
-        if not isinstance(self._side, DecodeSide):
-            raise ValueError("create_receiver needs role='decode'")
-        return self._side.create_receiver(room, bootstrap_addr, dst_pages, cached_ids, staged, namespace)
+        return self._decode_side("create_receiver").create_receiver(room, bootstrap_addr, dst_pages, cached_ids,
+                                                                    staged, namespace)
 
     def decline_room(self, room: int, bootstrap_addr: str) -> None:
         """Decode: this worker prefills `room` itself; its prefill ends the room without computing."""
+        self._decode_side("decline_room").decline(room, bootstrap_addr)
+
+    def hold_room(self, room: int, bootstrap_addr: str) -> None:
+        """Decode: `room` waits in this worker's queue for KV memory; its prefill is told so (heartbeats)
+        and keeps it waiting, computing nothing, until create_receiver() or end_room(). ValueError: a bad
+        bootstrap address."""
+        self._decode_side("hold_room").hold(room, bootstrap_addr)
+
+    def end_room(self, room: int, bootstrap_addr: str, reason: str, code: int = ErrorCode.ABORTED,
+                 retry_after: int = 0) -> None:
+        """Decode: this worker ends `room` without a receiver (refused, or ended while held): its prefill
+        ends it too, with `reason`, `code` (HTTP-like, as ErrorCode) and `retry_after` (an overload
+        refusal's seconds, 0: none). ValueError: a bad bootstrap address."""
+        self._decode_side("end_room").end(room, bootstrap_addr, reason, code, retry_after)
+
+    def ended_rooms(self) -> dict[int, TransferError]:
+        """Decode: held rooms their prefill ended (or that ended with it) since the last call, with why."""
+        return self._decode_side("ended_rooms").take_ended()
+
+    def _decode_side(self, call: str) -> DecodeSide:
         if not isinstance(self._side, DecodeSide):
-            raise ValueError("decline_room needs role='decode'")
-        self._side.decline(room, bootstrap_addr)
+            raise ValueError(f"{call} needs role='decode'")
+        return self._side
 
     def progress(self) -> None:
         """Drive zmq, UCX and timers once; never blocks."""

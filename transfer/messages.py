@@ -21,7 +21,7 @@ from typing import Any
 
 from common.codec import Codec
 
-VERSION = 3  # 2: TransferInfo.local_prefill; 3: TransferInfo.cached_tokens/cached_hash
+VERSION = 4  # 2: TransferInfo.local_prefill; 3: TransferInfo.cached_tokens/cached_hash; 4: Abort.retry_after
 
 
 @dataclass
@@ -114,9 +114,14 @@ class ChunkManifest:
 
 @dataclass
 class Abort:
+    """Either side ends a room. `retry_after` > 0: an overloaded decode refused it (its queue full, its
+    queue deadline passed); the prefill's answer carries the same Retry-After, so the router treats
+    whichever answer comes first as the decode's refusal, never as a failure."""
+
     room: int
     reason: str
     code: int
+    retry_after: int = 0
     token: str | None = None
     version: int = VERSION
 
@@ -132,7 +137,9 @@ class AbortAck:
 class Heartbeat:
     engine_id: str
     seq: int = 0
-    rooms: list[int] = field(default_factory=list)  # rooms the sender holds with the receiver
+    # rooms the sender holds with the receiver: a decode's in flight and those waiting in its queue for KV
+    # memory (the prefill keeps a listed room that has no TransferInfo yet waiting: PrefillSide._on_queued)
+    rooms: list[int] = field(default_factory=list)
     token: str | None = None
     version: int = VERSION
 

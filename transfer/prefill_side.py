@@ -12,8 +12,15 @@
    BOOTSTRAPPING, waiting for the decode's second TransferInfo (the whole prompt).
 3. Each send() queues pages; step() posts them over UCX and sends a ChunkManifest per chunk.
 4. The decode's TransferStatus(SUCCESS) plus all local sends done -> sender SUCCESS.
-Timers: no TransferInfo within bootstrap_timeout_s -> FAILED; a decode silent for 3 heartbeat
-intervals -> its rooms FAILED and its UCX endpoint closed.
+Queued rooms: a decode busy with other requests holds a room in its queue until it has KV memory for
+it, and every Heartbeat it sends lists the rooms it holds with this prefill; a room still BOOTSTRAPPING
+that a heartbeat lists is queued there, and its bootstrap timer counts from that word (nothing is
+computed or held here meanwhile). A decode that ends a queued room (its queue full, its queue deadline
+passed, an abort) sends an Abort for it: the sender fails with the decode's reason, or, when
+create_sender() has not come yet, the refusal is kept for bootstrap_timeout_s and fails it then.
+Timers: no TransferInfo within bootstrap_timeout_s (of creation, or of the decode's last word that
+the room is queued) -> FAILED; a decode silent for 3 heartbeat intervals -> its rooms FAILED and its
+UCX endpoint closed.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class PrefillSide:
         self.draining: list[Handle] = []
         self.aborts_unacked: dict[int, float] = {}
         self.prefix_refusals = 0  # TransferInfos whose cached prefix did not match the prompt
+        self.kept_queued = 0  # rooms kept past bootstrap_timeout_s because their decode said they were queued
 
     # ---- API -------------------------------------------------------------------------------
     def create_sender(self, room: int, prompt_ids: list[int] | None = None, namespace: str = "") -> KVSender:
@@ -82,7 +90,8 @@ class PrefillSide:
         self.senders[room] = sender
         if room in self.rejected:
             err, _ = self.rejected.pop(room)
-            sender.fail(err.code, err.message.removeprefix(f"room {room}: "))
+            sender.fail(err.code, err.message.removeprefix(f"room {room}: "), peer_fault=err.peer_fault,
+                        retry_after=err.retry_after)
         elif room in self.early:
             info, identity, _ = self.early.pop(room)
             if info.local_prefill:
@@ -153,6 +162,7 @@ class PrefillSide:
         elif isinstance(msg, AbortAck):
             self.aborts_unacked.pop(msg.room, None)
         elif isinstance(msg, Heartbeat):
+            self._on_queued(identity, msg.rooms)
             self.control.send(identity, Heartbeat(self.registration.engine_id, msg.seq))
         elif not isinstance(msg, TransferStatus):
             self.dropped.add("unexpected", f"{type(msg).__name__} on the control endpoint")
@@ -198,20 +208,39 @@ class PrefillSide:
             return ErrorCode.BAD_REQUEST, f"metadata_slot {info.metadata_slot} out of range"
         return None
 
+    def _on_queued(self, identity: bytes, rooms: list) -> None:
+        """A decode's heartbeat lists the rooms it holds with us: one of them still BOOTSTRAPPING here
+        waits in that decode's queue for KV memory, so its bootstrap timer starts again now."""
+        now = time.monotonic()
+        for room in rooms:
+            sender = self.senders.get(room) if isinstance(room, int) else None
+            if sender is not None and sender.state == KVPoll.BOOTSTRAPPING and sender.queued_by in (None, identity):
+                sender.queued_at, sender.queued_by = now, identity
+
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        """The decode ended a room: fail ours if it is that decode's (its TransferInfo accepted, or the
+        room not yet claimed by another decode: one that waited in its queue, or that it refused); a
+        room create_sender() has not opened yet is refused when it comes."""
         self.control.send(identity, AbortAck(msg.room))
         early = self.early.get(msg.room)
         if early is not None and early[1] == identity:
             del self.early[msg.room]
+        code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
+        why = f"aborted by decode: {msg.reason}"
         sender = self.senders.get(msg.room)
-        if sender is not None and sender.peer_identity == identity:
-            sender.fail(ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_
-                        else ErrorCode.ABORTED, f"aborted by decode: {msg.reason}", peer_fault=True)
+        if sender is None:
+            err = TransferError(code, f"room {msg.room}: {why}", True, msg.retry_after)
+            self.rejected[msg.room] = (err, time.monotonic())
+        elif sender.peer_identity == identity or (sender.peer_identity is None
+                                                  and sender.queued_by in (None, identity)):
+            sender.fail(code, why, peer_fault=True, retry_after=msg.retry_after)
 
     def _notify(self, room: int, reason: str, code: ErrorCode) -> None:
+        """Abort the room at its decode: the one whose TransferInfo it took, or the one it waits for."""
         sender = self.senders.get(room)
-        if sender is not None and sender.peer_identity is not None:
-            self.control.send(sender.peer_identity, Abort(room, reason, int(code)))
+        identity = (sender.peer_identity or sender.queued_by) if sender is not None else None
+        if identity is not None:
+            self.control.send(identity, Abort(room, reason, int(code)))
             self.aborts_unacked[room] = time.monotonic()
 
     # ---- data + timers ---------------------------------------------------------------------
@@ -228,9 +257,8 @@ class PrefillSide:
     def check_timers(self, now: float) -> None:
         cfg = self.cfg
         for sender in self.senders.values():
-            if sender.state == KVPoll.BOOTSTRAPPING and now - sender.created_at > cfg.bootstrap_timeout_s:
-                sender.fail(ErrorCode.TIMEOUT, f"no TransferInfo from a decode within "
-                            f"{cfg.bootstrap_timeout_s}s", peer_fault=True)
+            if sender.state == KVPoll.BOOTSTRAPPING:
+                self._check_bootstrap(sender, now)
         for room, (_, identity, t) in list(self.early.items()):
             if now - t > cfg.bootstrap_timeout_s:
                 del self.early[room]
@@ -245,6 +273,19 @@ class PrefillSide:
         for identity, seen in list(self.peers.items()):
             if now - seen > cfg.peer_lost_s:
                 self._peer_lost(identity)
+
+    def _check_bootstrap(self, sender: KVSender, now: float) -> None:
+        """Fail a room with no TransferInfo for bootstrap_timeout_s since it was created or since its
+        decode last said it was queued; count a queued room the first time it outlives the timeout."""
+        limit = self.cfg.bootstrap_timeout_s
+        if now - max(sender.created_at, sender.queued_at) > limit:
+            queued = now - sender.queued_at
+            since = f" (its decode last said it was queued {queued:.1f}s ago)" if sender.queued_at else ""
+            sender.fail(ErrorCode.TIMEOUT, f"no TransferInfo from a decode within {limit}s{since}",
+                        tell_peer=sender.queued_by is not None, peer_fault=True)
+        elif now - sender.created_at > limit and not sender.kept_queued:
+            sender.kept_queued = True
+            self.kept_queued += 1
 
     def _peer_lost(self, identity: bytes) -> None:
         del self.peers[identity]
@@ -269,7 +310,8 @@ class PrefillSide:
         return LinkStats(senders=len(self.senders), early_infos=len(self.early),
                          pending_sends=sum(s.pending() for s in self.senders.values()),
                          draining=len(self.draining), peers=len(self.peers),
-                         prefix_refusals=self.prefix_refusals, control_dropped=dict(self.dropped.counts))
+                         prefix_refusals=self.prefix_refusals, kept_queued=self.kept_queued,
+                         control_dropped=dict(self.dropped.counts))
 
     def close(self) -> None:
         self.bootstrap.close()

@@ -42,13 +42,19 @@ class _Room:
     def poll(self) -> KVPoll:
         return self.state
 
-    def fail(self, code: ErrorCode, message: str, tell_peer: bool = False, peer_fault: bool = False) -> bool:
+    @property
+    def moved(self) -> tuple:
+        """Changes whenever the room moves (its state, and its pages as they go): the watchdog's mark."""
+        return (self.state,)
+
+    def fail(self, code: ErrorCode, message: str, tell_peer: bool = False, peer_fault: bool = False,
+             retry_after: int = 0) -> bool:
         """Move to FAILED (once), free buffers; tell the peer with an Abort when asked. `peer_fault`:
-        the other side caused it (see TransferError)."""
+        the other side caused it; `retry_after`: it refused the room as overloaded (see TransferError)."""
         if self.state in TERMINAL:
             return False
         self.state = KVPoll.FAILED
-        self.error = TransferError(code, f"room {self.room}: {message}", peer_fault)
+        self.error = TransferError(code, f"room {self.room}: {message}", peer_fault, retry_after)
         self._free()
         log.info("%s FAILED: %s", type(self).__name__, self.error.message)
         if tell_peer:
@@ -104,6 +110,16 @@ class KVSender(_Room):
         self.prompt_ids: list[int] | None = None  # to check a decode's cached prefix (PrefillSide)
         self.namespace = ""  # the prompt's cache namespace (Req.cache_namespace), in that check's hash
         self.reused_pages = 0  # leading prompt pages the decode already holds: never sent
+        # while BOOTSTRAPPING: the room waits in a decode's queue for KV memory (its heartbeats list it);
+        # the bootstrap timer counts from `queued_at`, the decode's last such word (PrefillSide)
+        self.queued_at = 0.0
+        self.queued_by: bytes | None = None  # that decode's control identity
+        self.kept_queued = False  # it outlived the bootstrap timeout thanks to that word (counted once)
+
+    @property
+    def moved(self) -> tuple:
+        # queued_at: the room waits in its decode's queue, and the decode says so (its queue deadline bounds it)
+        return (self.state, self._cursor, self._next_seq, self._acked, self.queued_at)
 
     def decline(self) -> None:
         """The decode computes the prompt itself: BOOTSTRAPPING -> SUCCESS, nothing to send."""
@@ -249,6 +265,10 @@ class KVReceiver(_Room):
         self._last_seen = False
         self._pending_meta: dict | None = None
         self._orphans: list[Handle] = []
+
+    @property
+    def moved(self) -> tuple:
+        return (self.state, self._done_pages, self._total_pages)
 
     def on_ack(self) -> None:
         if self.state == KVPoll.BOOTSTRAPPING:

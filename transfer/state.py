@@ -38,11 +38,12 @@ class TransferError(Exception):
     when the other side caused it (it went silent, it timed out, it aborted the room), so a service
     can tell its router which worker to blame."""
 
-    def __init__(self, code: ErrorCode, message: str, peer_fault: bool = False) -> None:
+    def __init__(self, code: ErrorCode, message: str, peer_fault: bool = False, retry_after: int = 0) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.message = message
         self.peer_fault = peer_fault
+        self.retry_after = retry_after  # the peer refused the room as overloaded: seconds to wait (Abort)
 
     def __repr__(self) -> str:
         return f"TransferError({self.code.name}, {self.message!r})"

@@ -23,6 +23,7 @@ class LinkStats:
     staging_bytes: int | None = None  # decode, level: bytes held in staging buffers
     background_passes: int = 0  # total: progress-thread passes during forwards
     prefix_refusals: int | None = None  # prefill, total: decode prefix offers refused
+    kept_queued: int | None = None  # prefill, total: rooms kept past the bootstrap timeout, queued at their decode
     control_dropped: dict[str, int] = field(default_factory=dict)  # totals by reason (transfer.control.Dropped)
 
     LEVELS = ("senders", "early_infos", "pending_sends", "receivers", "pending_recvs", "staging_bytes",

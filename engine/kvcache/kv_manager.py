@@ -171,13 +171,30 @@ class KVManager:
             return whole
         return min(whole, pages_for(self.window + max(1, chunk), self.page_size) + 1)
 
-    def capacity_error(self, prompt_tokens: int, chunk: int = 0) -> str | None:
-        """Why a prompt can never fit this pool (its live KV plus one token), or None. `chunk` is the
-        largest prompt chunk one step computes (0: the whole prompt at once)."""
+    def capacity_error(self, prompt_tokens: int, chunk: int = 0, forks: int = 0) -> str | None:
+        """Why a prompt can never fit this pool (its live KV plus one token, and with n > 1 the pages
+        its `forks` other choices take once it is computed), or None. `chunk` is the largest prompt
+        chunk one step computes (0: the whole prompt at once)."""
         cap = self.pool.allocator.capacity
         if self.peak_pages(prompt_tokens, chunk or prompt_tokens) > cap:
             return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
+        need = pages_for(prompt_tokens, self.page_size) - self.window_start(prompt_tokens) + \
+            forks * self.fork_pages(prompt_tokens)
+        if forks and need > cap:
+            return (f"the prompt has {prompt_tokens} tokens and its {forks + 1} choices need "
+                    f"{need * self.page_size} tokens of KV at once; the KV pool holds {cap * self.page_size}")
         return None
+
+    def outgrows_pool(self, req: Req, new_tokens: int = 1) -> bool:
+        """Whether req's live KV with `new_tokens` more tokens exceeds the whole pool: no retraction
+        of others can make room for it (the scheduler ends it at the pool's end, finish reason length,
+        instead of retracting it forever: `pool_end_message`)."""
+        live = pages_for(req.kv.kv_len + new_tokens, self.page_size) - req.kv.dropped_pages
+        return live > self.pool.allocator.capacity
+
+    def pool_end_message(self, req: Req) -> str:
+        return (f"the KV pool is full: this request holds {req.kv.kv_len} tokens and the pool holds "
+                f"{self.pool.allocator.capacity * self.page_size}")
 
     def can_admit(self, req: Req, need: int, reserved: int, ratio: float, busy: bool) -> bool:
         """The admission rule. `req` takes `need` pages now (what its admission allocates: a prompt

@@ -24,6 +24,7 @@ Roles never touch the queues: they ask `load`, `counts`, `retracted`, `full`,
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +47,8 @@ from engine.scheduling.planner import ExtendPlanner
 from engine.scheduling.policy import first_new, waiting_order
 from engine.stats import SchedulerStats
 
+log = logging.getLogger("pdserve.scheduler")
+
 
 def make_executor(runner: ModelRunner, cfg: EngineConfig, stop_strings: bool = True) -> BatchExecutor:
     """The batch executor of a role; stop strings are checked with the model's tokenizer (TailDecoder)."""
@@ -65,7 +68,7 @@ def validate_prompt(req: Req, context_length: int, kv: KVManager, chunk: int = 0
         return "the prompt is empty"
     if n >= context_length:
         return f"the prompt has {n} tokens; the context length is {context_length}"
-    return kv.capacity_error(n, chunk)
+    return kv.capacity_error(n, chunk, len(req.choice.forks))
 
 
 Event = Callable[[str, Req], None]
@@ -98,6 +101,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.outbox = outbox if outbox is not None else Outbox()
+        self.pool_truncated = 0  # requests ended at the pool's end (`_end_at_pool_end`)
 
     # ---- intake -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -114,6 +118,10 @@ class Scheduler:
         for r in victims:
             self._finish(r, FinishReason.ABORT, reason, 499)
         return len(victims)
+
+    def fail(self, r: Req, error: str, code: int = 503) -> None:
+        """End a request of this scheduler's queues with an error (the watchdog's answer to a stuck one)."""
+        self._finish(r, FinishReason.ERROR, error, code)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -273,6 +281,8 @@ class Scheduler:
             self.spec.propose(self.running)
             if sum(self.kv.extra_pages(r, 1 + len(r.spec.draft)) for r in self.running) > self.kv.free_pages:
                 self.spec.drop(self.running)
+        for r in [r for r in self.running if self.kv.outgrows_pool(r)]:
+            self._end_at_pool_end(r)
         need = sum(self.kv.extra_pages(r, 1) for r in self.running)
         while need > self.kv.free_pages and self.running:
             victim = self.running[-1]
@@ -281,6 +291,15 @@ class Scheduler:
         for r in self.running:
             self.kv.grow(r, 1 + len(r.spec.draft))
         return list(self.running)
+
+    def _end_at_pool_end(self, r: Req) -> None:
+        """r's next token would not fit even in the whole KV pool: end it now with what it generated,
+        finish reason length (the pool is this server's context window, as the model's context length
+        is), its message saying so, instead of retracting it and waiting forever for room that cannot come."""
+        why = self.kv.pool_end_message(r)
+        log.warning("rid=%s: %s; finished (length)", r.rid, why)
+        self.pool_truncated += 1
+        self._finish(r, FinishReason.LENGTH, why)
 
     def make_room(self, pages: int) -> bool:
         """Retract the newest running requests until `pages` pages are free (KVManager.free_pages);
@@ -320,5 +339,6 @@ class Scheduler:
             kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
             host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
             retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
-            window_freed_pages=self.kv.trimmed_pages, prefix=self.kv.cache_stats(),
+            window_freed_pages=self.kv.trimmed_pages, pool_truncated=self.pool_truncated,
+            prefix=self.kv.cache_stats(),
             spec=self.spec.stats() if self.spec is not None else SpecStats())

@@ -7,10 +7,12 @@ colocated stub give the same text. PD coupling is real enough to test room handl
 its room done (GET /_room/{room}); a decode polls the prefill named by `bootstrap_host:bootstrap_port`
 (the stub's bootstrap port is its HTTP port) until the room is done, aborted, or `--waiting-timeout`.
 
-Test controls: POST /_control {"mode": ok|fail|hang|die|die_midstream|unhealthy}, GET /_state (rooms
-seen, rooms aborted). `die` exits the process on the next request, `die_midstream` after 2 streamed
-tokens (a stream resumed past them, `pd_resume`, goes on); `hang` waits until the room is aborted;
-`fail` answers 500. A request with max_tokens > 1000 gets a 400 (a client error the router must relay).
+Test controls: POST /_control {"mode": ok|fail|fail503|busy|hang|die|die_midstream|unhealthy[, "retry_after": N]},
+GET /_state (rooms seen, rooms aborted). `die` exits the process on the next request, `die_midstream` after 2
+streamed tokens (a stream resumed past them, `pd_resume`, goes on); `hang` waits until the room is aborted;
+`fail` answers 500, `fail503` a plain 503; `busy` refuses as an overloaded service does (a 503 whose error
+names `retry_after`, N seconds, default 2; a stream gets it as its first event, HTTP status 200).
+A request with max_tokens > 1000 gets a 400 (a client error the router must relay).
 With `pd_token_ids` each stream event ends with its word's id; `pd_resume` continues after its ids.
 """
 
@@ -43,6 +45,7 @@ class Stub:
         self.role, self.port, self.token, self.prefill_delay = role, port, token, prefill_delay
         self.token_delay, self.waiting_timeout = token_delay, waiting_timeout
         self.mode = "ok"
+        self.retry_after = 2  # seconds a `busy` refusal names
         self.rooms: list[int] = []
         self.done_rooms: set[int] = set()
         self.aborted: list[int] = []
@@ -53,8 +56,27 @@ class Stub:
         return self.abort_events.setdefault(room, asyncio.Event())
 
 
-def _err(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "stub", "code": status}}, status_code=status)
+def _err(status: int, message: str, retry_after: int = 0) -> JSONResponse:
+    return JSONResponse(_err_obj(status, message, retry_after), status_code=status)
+
+
+def _err_obj(status: int, message: str, retry_after: int = 0) -> dict:
+    err = {"message": message, "type": "stub", "code": status}
+    return {"error": {**err, "retry_after": retry_after} if retry_after else err}
+
+
+def _busy(st: Stub, stream: bool):
+    """An overload refusal as service/frontend.py answers it: a 503 naming retry_after, or for a stream
+    (whose status is 200 by then) an error event first."""
+    message = f"{st.role} stub is busy: queue full"
+    if not stream:
+        return _err(503, message, st.retry_after)
+
+    async def events():
+        yield f"data: {json.dumps(_err_obj(503, message, st.retry_after))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _prompt_and_max(path: str, body: dict) -> tuple[str, int]:
@@ -164,7 +186,8 @@ def build_app(st: Stub) -> FastAPI:
 
     @app.post("/_control")
     async def control(request: Request):
-        st.mode = (await request.json())["mode"]
+        body = await request.json()
+        st.mode, st.retry_after = body["mode"], int(body.get("retry_after", 2))
         return {"mode": st.mode}
 
     @app.get("/_state")
@@ -202,6 +225,10 @@ def _handler(st: Stub, path: str):
             os._exit(1)
         if st.mode == "fail":
             return _err(500, "stub told to fail")
+        if st.mode == "fail503":
+            return _err(503, "stub told to fail with 503")
+        if st.mode == "busy":
+            return _busy(st, bool(body.get("stream")))
         if st.mode == "hang":
             await st.abort_event(room).wait()
             return _err(500, "aborted")
