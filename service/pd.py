@@ -81,6 +81,8 @@ def transfer_error(err: TransferError | None, role: str) -> tuple[str, int, str]
     if err is None:
         return "KV transfer failed", 500, ""
     fault = ("decode" if role == "prefill" else "prefill") if err.peer_fault else ""
+    if err.retry_after:  # the decode refused the room as overloaded: its words, as it answers them itself
+        return err.message.partition(": ")[2], int(err.code), fault
     return f"KV transfer failed: {err.message}", int(err.code), fault
 
 

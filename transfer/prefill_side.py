@@ -226,7 +226,7 @@ class PrefillSide:
         if early is not None and early[1] == identity:
             del self.early[msg.room]
         code = ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.ABORTED
-        why = f"aborted by decode: {msg.reason}"
+        why = msg.reason if msg.retry_after else f"aborted by decode: {msg.reason}"  # overloaded: its own words
         sender = self.senders.get(msg.room)
         if sender is None:
             err = TransferError(code, f"room {msg.room}: {why}", True, msg.retry_after)

@@ -134,7 +134,7 @@ def test_requests_past_the_queue_bounds_get_503_with_retry_after_and_nothing_lea
         # the prefill ended its room too, with the same Retry-After and the decode named: a router takes
         # whichever answer comes first as the decode's refusal, never as a failure
         p_err = p_res[1]["error"]
-        assert p_res[0] == 503 and why in p_err["message"] and p_err["fault"] == "decode", p_res
+        assert p_res[0] == 503 and p_err["message"] == why and p_err["fault"] == "decode", p_res
         assert p_err["retry_after"] == err["retry_after"], (p_err, err)
     assert d_long[0] == 200 and len(d_long[1]["output_ids"]) == LONG_TOKENS, d_long
     assert p_long[0] == 200, p_long
