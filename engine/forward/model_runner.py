@@ -36,6 +36,7 @@ from engine.kvcache.memory import HostKVPool, KVPool
 from engine.models.embedded import resolve_model_path
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model
+from engine.models.quant import quantized_modules
 
 __all__ = ["LOGITS_ALL", "LOGITS_LAST", "LOGITS_NONE", "ForwardBatch", "ForwardOutput", "ModelRunner", "Segment",
            "Shard"]
@@ -77,6 +78,9 @@ class ModelRunner:
         self.pool, self.host_pool = self._pools(shard, getattr(self.model, "local_kv_heads", mc.num_kv_heads))
         self.scale = mc.head_dim ** -0.5
         self.lora = lora_registry.registry_for(cfg, mc, self.tp, self.dtype, self.device)  # None: LoRA off
+        if self.lora is not None and quantized_modules(self.model):
+            raise ValueError(f"{self.model_path}: LoRA adapters (--lora-paths, --max-loaded-loras) over a quantized "
+                             "checkpoint (its quantization_config) are not supported yet")
 
     def _pools(self, shard: Shard, kv_heads: int) -> tuple[KVPool, HostKVPool]:
         """The device pool [P, L, 2, ps, kv_heads, D] (MLA: the latent pool [P, L, ps, kv_lora_rank +

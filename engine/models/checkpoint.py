@@ -7,6 +7,10 @@ but the checkpoint lacks, or one the checkpoint has but no parameter takes, is a
 Slicing (layers.py's rule): column-parallel weights [out, in] keep this rank's rows (q/k/v by head,
 gate/up by intermediate), row-parallel ones its columns (o, down); a row-parallel bias goes to rank 0
 only; norms, the embedding and (rank 0's) LM head are whole.
+
+A quantized weight (engine/models/quant.py's QuantTensor, from a checkpoint with a quantization_config)
+goes through the same helpers: `rows`, `cols`, `cat_rows`, `stack_experts` and `permute_rows` act on its
+low-bit values and its scales together.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.distributed.tp import TPGroup
+from engine.models.quant import QuantTensor
+
+Weight = torch.Tensor | QuantTensor
 
 
 class Checkpoint:
@@ -45,14 +52,41 @@ class Checkpoint:
             raise ValueError(f"unexpected weights {extra[:5]}")
 
 
-def rows(w: torch.Tensor, first: int, count: int, unit: int = 1) -> torch.Tensor:
+def rows(w: Weight, first: int, count: int, unit: int = 1) -> Weight:
     """w's rows [first*unit, (first+count)*unit) (a column-parallel share; 1-D biases too)."""
+    if isinstance(w, QuantTensor):
+        return w.rows(first * unit, (first + count) * unit)
     return w[first * unit : (first + count) * unit]
 
 
-def cols(w: torch.Tensor, first: int, count: int, unit: int = 1) -> torch.Tensor:
+def cols(w: Weight, first: int, count: int, unit: int = 1) -> Weight:
     """w's columns [first*unit, (first+count)*unit) (a row-parallel share)."""
+    if isinstance(w, QuantTensor):
+        return w.cols_slice(first * unit, (first + count) * unit)
     return w[:, first * unit : (first + count) * unit]
+
+
+def cat_rows(parts: list[Weight]) -> Weight:
+    """Weights [out_i, in] (or biases) fused row-wise: q/k/v into qkv_proj, gate/up into gate_up_proj."""
+    if any(isinstance(p, QuantTensor) for p in parts):
+        if not all(isinstance(p, QuantTensor) for p in parts):
+            raise ValueError("cannot fuse a quantized weight with an unquantized one")
+        return QuantTensor.cat(parts)
+    return torch.cat(parts)
+
+
+def stack_experts(parts: list[Weight]) -> Weight:
+    """Per-expert weights [out, in] -> [E, out, in]."""
+    if any(isinstance(p, QuantTensor) for p in parts):
+        if not all(isinstance(p, QuantTensor) for p in parts):
+            raise ValueError("cannot stack quantized and unquantized expert weights")
+        return QuantTensor.stack(parts)
+    return torch.stack(parts)
+
+
+def permute_rows(w: Weight, index: torch.Tensor) -> Weight:
+    """w's rows [out, in] in the order `index` (int64 [out])."""
+    return w.permute_rows(index) if isinstance(w, QuantTensor) else w.index_select(0, index)
 
 
 def shell_weights(ck: Checkpoint, cfg: ModelConfig, tp: TPGroup, prefix: str = "model.") -> dict[str, torch.Tensor]:
@@ -77,7 +111,7 @@ def attention_weights(ck: Checkpoint, cfg: ModelConfig, layer: int, tp: TPGroup,
            p + "post_attention_layernorm.weight": ck.take(f"{prefix}layers.{layer}.post_attention_layernorm.weight")}
     kinds = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
     for kind in kinds:
-        out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([
+        out[p + f"self_attn.qkv_proj.{kind}"] = cat_rows([
             rows(ck.take(a + f"q_proj.{kind}"), q0, nq, d), rows(ck.take(a + f"k_proj.{kind}"), k0, nk, d),
             rows(ck.take(a + f"v_proj.{kind}"), k0, nk, d)])
     out[p + "self_attn.o_proj.weight"] = cols(ck.take(a + "o_proj.weight"), q0, nq, d)
@@ -97,7 +131,7 @@ def dense_mlp_weights(ck: Checkpoint, hf: str, ours: str, intermediate: int, tp:
     """A SwiGLU block at HF prefix `hf` (e.g. 'model.layers.0.mlp.') as layers.DenseMLP at `ours`:
     gate/up rows fused into gate_up_proj, down_proj's columns, this rank's share of `intermediate`."""
     i0, n = tp.split(intermediate, field)
-    return {ours + "gate_up_proj.weight": torch.cat([rows(ck.take(hf + "gate_proj.weight"), i0, n),
+    return {ours + "gate_up_proj.weight": cat_rows([rows(ck.take(hf + "gate_proj.weight"), i0, n),
                                                      rows(ck.take(hf + "up_proj.weight"), i0, n)]),
             ours + "down_proj.weight": cols(ck.take(hf + "down_proj.weight"), i0, n)}
 

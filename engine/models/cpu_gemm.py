@@ -68,7 +68,8 @@ def pack_model(model: nn.Module, mode: str) -> int:
     packed) and the model an `lm_packed` output head (`model.lm_head_weight()`, when not None); returns how many
     weights were packed. A packed linear's fp32 weight is then dropped (an empty tensor), so the
     weights are not held twice; the embedding, tied or not, stays. A linear with a `pack_parts`
-    attribute (output sizes) is packed as those row blocks apart: `packed` is then a tuple."""
+    attribute (output sizes) is packed as those row blocks apart: `packed` is then a tuple. A linear
+    holding a quantized checkpoint's low-bit weight (`weight_quant`) is left as it is."""
     if mode not in MODES:
         raise ValueError(f"--cpu-gemm must be one of {', '.join(MODES)}, got {mode!r}")
     linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
@@ -76,12 +77,15 @@ def pack_model(model: nn.Module, mode: str) -> int:
     for m in linears:
         m.packed = None
     model.lm_packed = None
-    if mode == "torch" or not linears or not can_pack(linears[0].weight):
+    # a quantized checkpoint's linears keep their low-bit weight (`weight_quant`, engine/models/quant.py)
+    linears = [m for m in linears if getattr(m, "weight_quant", None) is None]
+    head_weight = model.lm_head_weight()  # None on tensor-parallel ranks other than 0 (no LM head)
+    first = linears[0].weight if linears else head_weight
+    if mode == "torch" or first is None or not can_pack(first):
         return 0
     try:
         packed = [tuple(pack(w) for w in m.weight.split(list(m.pack_parts))) if hasattr(m, "pack_parts")
                   else pack(m.weight) for m in linears]
-        head_weight = model.lm_head_weight()  # None on tensor-parallel ranks other than 0 (no LM head)
         lm_packed = None if head_weight is None else pack(head_weight)
     except RuntimeError as e:  # an oneDNN build without this op or ISA: plain F.linear still works
         log.warning("oneDNN weight packing failed (%s); using torch's F.linear", e)

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import MLASpec, ModelConfig, MoESpec
 from engine.distributed.tp import SINGLE, TPGroup
-from engine.models.checkpoint import Checkpoint, cols, dense_mlp_weights, rows, shell_weights
+from engine.models.checkpoint import Checkpoint, Weight, cols, dense_mlp_weights, permute_rows, rows, shell_weights
 from engine.models.deepseek_mla import MLAAttention
 from engine.models.moe import MoECausalLM, block_weights
 from engine.models.rope import _yarn_mscale, rope_type
@@ -124,10 +124,9 @@ class Model(MoECausalLM):
             layer.self_attn = MLAAttention(cfg, i, tp)  # built on the meta device by the loader: no waste
 
 
-def _deinterleave(w: torch.Tensor, rope: int) -> torch.Tensor:
-    """Rows [..., rope, in] of interleaved (x0, x1) pairs -> (evens | odds) order."""
-    perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-    return w.index_select(-2, perm)
+def _rope_order(rope: int) -> torch.Tensor:
+    """The row order taking `rope` rows of interleaved (x0, x1) pairs to (evens | odds)."""
+    return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
 
 
 def _attention(ck: Checkpoint, cfg: ModelConfig, i: int, tp: TPGroup) -> dict[str, torch.Tensor]:
@@ -137,11 +136,12 @@ def _attention(ck: Checkpoint, cfg: ModelConfig, i: int, tp: TPGroup) -> dict[st
     q0, nq = tp.split(cfg.num_heads, "num_attention_heads")
     qk, rope = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim
 
-    def q_rows(w: torch.Tensor) -> torch.Tensor:  # [heads * qk, in] -> this rank's heads, rope de-interleaved
-        w = rows(w, q0, nq, qk).reshape(nq, qk, -1).clone()
-        if m.rope_interleave:
-            w[:, m.qk_nope_head_dim:] = _deinterleave(w[:, m.qk_nope_head_dim:], rope)
-        return w.reshape(nq * qk, -1)
+    def q_rows(w: Weight) -> Weight:  # [heads * qk, in] -> this rank's heads, rope de-interleaved
+        w = rows(w, q0, nq, qk)
+        if not m.rope_interleave:
+            return w
+        head = torch.cat([torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + _rope_order(rope)])
+        return permute_rows(w, (torch.arange(nq)[:, None] * qk + head).reshape(-1))
 
     out = {p + "input_layernorm.weight": ck.take(f"model.layers.{i}.input_layernorm.weight"),
            p + "post_attention_layernorm.weight": ck.take(f"model.layers.{i}.post_attention_layernorm.weight")}
@@ -152,9 +152,9 @@ def _attention(ck: Checkpoint, cfg: ModelConfig, i: int, tp: TPGroup) -> dict[st
         out[s + "q_b_proj.weight"] = q_rows(ck.take(a + "q_b_proj.weight"))
     else:
         out[s + "q_proj.weight"] = q_rows(ck.take(a + "q_proj.weight"))
-    kv_a = ck.take(a + "kv_a_proj_with_mqa.weight").clone()  # [R + R_, H]
+    kv_a = ck.take(a + "kv_a_proj_with_mqa.weight")  # [R + R_, H]
     if m.rope_interleave:
-        kv_a[m.kv_lora_rank:] = _deinterleave(kv_a[m.kv_lora_rank:], rope)
+        kv_a = permute_rows(kv_a, torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + _rope_order(rope)]))
     out[s + "kv_a_proj_with_mqa.weight"] = kv_a
     out[s + "kv_a_layernorm.weight"] = ck.take(a + "kv_a_layernorm.weight")
     out[s + "kv_b"] = rows(ck.take(a + "kv_b_proj.weight"), q0, nq, m.qk_nope_head_dim + m.v_head_dim)

@@ -66,7 +66,10 @@ class MLAAttention(nn.Module):
     """One layer's MLA over the latent pool: forward(x, rotary, ctx, residual) -> residual + attention(x)
     (summed over the TP group). Parameters (this rank's Hq heads): q_proj, or q_a_proj + q_a_layernorm +
     q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm (replicated); kv_b [Hq*(N+V), R] (a plain parameter, not
-    packed: the absorbed form reads it per head); o_proj."""
+    packed: the absorbed form reads it per head; from a quantized checkpoint the loader replaces it by
+    `kv_b_quant`, dequantized once per forward); o_proj."""
+
+    QUANTIZABLE = ("kv_b",)  # parameters the loader may hold low-bit (besides nn.Linear weights)
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -109,9 +112,14 @@ class MLAAttention(nn.Module):
             o = self.extend(q_nope, q_pe, ctx)
         return row_parallel(self.o_proj, o.reshape(t, self.hq * m.v_head_dim), residual, self.tp)
 
-    def _w(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [Hq, N, R], W_UV [Hq, V, R]) views of kv_b."""
-        w = self.kv_b.view(self.hq, -1, self.m.kv_lora_rank)
+    def _kv_b(self) -> torch.Tensor:
+        """kv_b [Hq*(N+V), R]: the parameter, or a quantized checkpoint's dequantized for this forward."""
+        q = getattr(self, "kv_b_quant", None)
+        return self.kv_b if q is None else q.dequant(dtype=self.kv_a_layernorm.weight.dtype)
+
+    def _w(self, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [Hq, N, R], W_UV [Hq, V, R]) views of kv_b (given, or `_kv_b()`)."""
+        w = (self._kv_b() if kv_b is None else kv_b).view(self.hq, -1, self.m.kv_lora_rank)
         return w[:, : self.m.qk_nope_head_dim], w[:, self.m.qk_nope_head_dim:]
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -138,11 +146,13 @@ class MLAAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=m.softmax_scale)
         return o[:, :, 0]
 
-    def _expand(self, kvl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents [B, S, R + R_] -> per-head K [B, Hq, S, N + R_] and V [B, Hq, S, V]."""
+    def _expand(self, kvl: torch.Tensor, kv_b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [B, S, R + R_] -> per-head K [B, Hq, S, N + R_] and V [B, Hq, S, V] (kv_b: given, or
+        `_kv_b()`)."""
         m = self.m
         b, s, _ = kvl.shape
-        kvn = F.linear(kvl[..., : m.kv_lora_rank], self.kv_b).view(b, s, self.hq, -1).transpose(1, 2)
+        kv_b = self._kv_b() if kv_b is None else kv_b
+        kvn = F.linear(kvl[..., : m.kv_lora_rank], kv_b).view(b, s, self.hq, -1).transpose(1, 2)
         k = kvn.new_empty((b, self.hq, s, m.qk_nope_head_dim + m.qk_rope_head_dim))
         k[..., : m.qk_nope_head_dim] = kvn[..., : m.qk_nope_head_dim]
         k[..., m.qk_nope_head_dim:] = kvl[:, None, :, m.kv_lora_rank:]
@@ -157,7 +167,8 @@ class MLAAttention(nn.Module):
         form = form or PREFILL_FORM
         lat = ctx.pool.latent(self.layer_id)  # [P, ps, R + R_]
         ps = lat.shape[1]
-        w_uk, w_uv = self._w()
+        kv_b = self._kv_b()  # once per forward (a quantized kv_b is dequantized here)
+        w_uk, w_uv = self._w(kv_b)
         out = q_nope.new_empty((q_nope.shape[0], self.hq, m.v_head_dim))
         start = 0
         for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
@@ -171,7 +182,7 @@ class MLAAttention(nn.Module):
                                   m.softmax_scale)[0]  # [Hq, L, R]
                 o = torch.bmm(o, w_uv.transpose(1, 2))  # [Hq, L, V]
             else:
-                k, v = self._expand(kvl[None])  # [1, Hq, S, N + R_], [1, Hq, S, V]
+                k, v = self._expand(kvl[None], kv_b)  # [1, Hq, S, N + R_], [1, Hq, S, V]
                 q = torch.cat([qn, qp], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, Hq, L, N + R_]
                 o = causal_attend(q, k, v, seq_len - q_len, m.softmax_scale)[0]  # [Hq, L, V]
             out[start : start + q_len] = o.transpose(0, 1)

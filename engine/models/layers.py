@@ -49,12 +49,20 @@ class ForwardContext:
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """m(x), through m's oneDNN-packed weight when the loader packed one (engine/models/cpu_gemm.py)."""
+    """m(x), through m's oneDNN-packed weight when the loader packed one (engine/models/cpu_gemm.py), or
+    its low-bit weight (`weight_quant`, a quantized checkpoint's: engine/models/quant.py) dequantized
+    for this call."""
+    q = getattr(m, "weight_quant", None)
+    if q is not None:
+        return q.linear(x, m.bias)
     return cpu_gemm.linear(x, m.weight, getattr(m, "packed", None), m.bias)
 
 
 def linear_add(m: nn.Linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + m(x), the add fused into the packed GEMM when there is one."""
+    q = getattr(m, "weight_quant", None)
+    if q is not None:
+        return q.linear(x, m.bias).add_(residual)
     return cpu_gemm.linear_add(x, m.weight, getattr(m, "packed", None), residual, m.bias)
 
 
@@ -141,6 +149,9 @@ class DenseMLP(nn.Module):
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> silu(gate(x)) * up(x) [T, inter] (this rank's share)."""
         m = self.gate_up_proj
+        q = getattr(m, "weight_quant", None)
+        if q is not None:  # a quantized checkpoint's gate/up, dequantized for this call
+            return cpu_gemm.silu_gate_up(x, q.dequant(dtype=x.dtype), None, self.inter)
         return cpu_gemm.silu_gate_up(x, m.weight, getattr(m, "packed", None), self.inter)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

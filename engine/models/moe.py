@@ -37,8 +37,18 @@ from torch import nn
 from engine.config import ModelConfig, MoESpec
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models import cpu_gemm
-from engine.models.checkpoint import Checkpoint, attention_weights, cols, dense_mlp_weights, rows, shell_weights
+from engine.models.checkpoint import (
+    Checkpoint,
+    attention_weights,
+    cat_rows,
+    cols,
+    dense_mlp_weights,
+    rows,
+    shell_weights,
+    stack_experts,
+)
 from engine.models.layers import CausalLM, DenseMLP, linear
+from engine.models.quant import QuantTensor
 
 
 def placement(num_experts: int, tp: TPGroup) -> tuple[int, ...]:
@@ -94,10 +104,13 @@ def experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H]; w13 [E, 2I, H] (gate rows, then
     up), w2 [E, H, I]; `packed` (from `pack_weights`): per expert ((gate, up), down) oneDNN weights,
-    used instead of w13/w2. Added into `out` [T, H] when given (else a new zero tensor): one
-    index_add over the S slots. Only experts with routed tokens compute (one GEMM pair each)."""
+    used instead of w13/w2; or w13/w2 as quantized stacks (engine/models/quant.py's QuantTensor), each
+    active expert's weights dequantized for its GEMMs only. Added into `out` [T, H] when given (else a
+    new zero tensor): one index_add over the S slots. Only experts with routed tokens compute (one GEMM
+    pair each)."""
     k = ids.shape[1]
     num_experts = len(packed) if packed is not None else w13.shape[0]
+    quantized = isinstance(w13, QuantTensor) or isinstance(w2, QuantTensor)
     order, counts = group_by_expert(ids, num_experts)
     tokens = order // k  # [S] token of each sorted slot
     xs = x.index_select(0, tokens)  # [S, H], grouped by expert
@@ -111,6 +124,9 @@ def experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
             (pg, pu), pd = packed[e]
             h = cpu_gemm.silu_gate_up(xe, w13, (pg, pu), inter)
             ys[start:start + n] = cpu_gemm.linear(h, w2, pd)
+        elif quantized:
+            h = cpu_gemm.silu_gate_up(xe, _expert(w13, e, xe.dtype), None, inter)
+            torch.mm(h, _expert(w2, e, h.dtype).t(), out=ys[start:start + n])
         else:
             h = cpu_gemm.silu_gate_up(xe, w13[e], None, inter)
             torch.mm(h, w2[e].t(), out=ys[start:start + n])
@@ -121,12 +137,20 @@ def experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: 
     return out.index_add_(0, tokens, ys)
 
 
+def _expert(w: torch.Tensor | QuantTensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's weight of a stack: dequantized (a transient) when the stack is quantized."""
+    return w.dequant(e, dtype) if isinstance(w, QuantTensor) else w[e]
+
+
 class SparseMoE(nn.Module):
     """The MoE MLP block of one decoder layer: forward(x, residual) -> residual + moe(x), summed over
     the TP group (rank 0 adds the residual; one all-reduce). Parameters: `gate.weight` [E, H] (router),
     `w13` [E_local, 2I, H] (each expert's gate rows then up rows, this rank's I), `w2` [E_local, H, I],
     and, when spec.shared_intermediate_size > 0, `shared_expert.{gate_up_proj,down_proj}` (a DenseMLP
-    sharded like the dense layers) and `shared_expert_gate.weight` [1, H]."""
+    sharded like the dense layers) and `shared_expert_gate.weight` [1, H]. From a quantized checkpoint the
+    loader replaces w13/w2 by `w13_quant`/`w2_quant` (QuantTensor stacks, engine/models/quant.py)."""
+
+    QUANTIZABLE = ("w13", "w2")  # parameters the loader may hold low-bit (besides nn.Linear weights)
 
     def __init__(self, hidden: int, spec: MoESpec, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -159,7 +183,11 @@ class SparseMoE(nn.Module):
             se, sg = self.shared_expert, self.shared_expert_gate
             y = linear(se.down_proj, se.act(x))  # [T, H]
             out.add_(y.mul_(torch.sigmoid(linear(sg, x))) if sg is not None else y)
-        if x.device.type == "cuda":
+        w13, w2 = getattr(self, "w13_quant", None), getattr(self, "w2_quant", None)  # quantized checkpoint
+        if w13 is not None or w2 is not None:  # experts dequantized one at a time (CPU or CUDA)
+            experts_cpu(x, weights, ids, self.w13 if w13 is None else w13, self.w2 if w2 is None else w2,
+                        self.inter, out=out)
+        elif x.device.type == "cuda":
             from engine.models.moe_triton import fused_moe
 
             out.add_(fused_moe(x, self.w13, self.w2, weights, ids, self.inter))
@@ -170,8 +198,9 @@ class SparseMoE(nn.Module):
     def pack_weights(self, mode: str) -> int:
         """Once, at load (loader.load_model calls it after cpu_gemm.pack_model): pack every expert's gate,
         up and down weights for oneDNN and drop the fp32 copies; returns how many were packed (0 when
-        `mode` is torch, the weights are not fp32 on the CPU, or oneDNN refuses)."""
-        if mode != "onednn" or not cpu_gemm.can_pack(self.w13):
+        `mode` is torch, the weights are not fp32 on the CPU or are quantized, or oneDNN refuses)."""
+        quantized = any(getattr(self, f"{n}_quant", None) is not None for n in self.QUANTIZABLE)
+        if mode != "onednn" or not cpu_gemm.can_pack(self.w13) or quantized:
             return 0
         try:
             packed = [((cpu_gemm.pack(self.w13[e, :self.inter]), cpu_gemm.pack(self.w13[e, self.inter:])),
@@ -250,11 +279,11 @@ def block_weights(ck: Checkpoint, hf: str, ours: str, spec: MoESpec, tp: TPGroup
     w13, w2 = [], []
     for e in placement(spec.num_experts, tp):
         p = f"{hf}experts.{e}."
-        w13.append(torch.cat([rows(ck.take(f"{p}{gate}.weight"), first, count),
-                              rows(ck.take(f"{p}{up}.weight"), first, count)]))
+        w13.append(cat_rows([rows(ck.take(f"{p}{gate}.weight"), first, count),
+                             rows(ck.take(f"{p}{up}.weight"), first, count)]))
         w2.append(cols(ck.take(f"{p}{down}.weight"), first, count))
-    out = {ours + "gate.weight": ck.take(hf + "gate.weight"), ours + "w13": torch.stack(w13),
-           ours + "w2": torch.stack(w2)}
+    out = {ours + "gate.weight": ck.take(hf + "gate.weight"), ours + "w13": stack_experts(w13),
+           ours + "w2": stack_experts(w2)}
     if spec.shared_intermediate_size:
         out |= dense_mlp_weights(ck, hf + shared, ours + "shared_expert.", spec.shared_intermediate_size,
                                  tp, "shared_expert_intermediate_size")

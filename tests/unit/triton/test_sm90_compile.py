@@ -139,16 +139,40 @@ def _lora_launches(launches: list) -> None:
         launches[i:] = [(f"{kname}[{name},R{r}]", *rest) for kname, *rest in launches[i:]]
 
 
+def _recurrent_launches(launches: list) -> None:
+    """The hybrid models' decode steps (engine/recurrent/triton_steps.py), bf16 inputs and fp32 state pools:
+    Qwen3-Next's conv1d (8192 channels, kernel 4) and Gated DeltaNet (16 key heads x 128, 32 value heads
+    x 128), Nemotron-H's Mamba2 SSD (128 heads x 64, 8 groups, state 128); batch 64, slots 80."""
+    import torch
+
+    from engine.recurrent import triton_steps as ts
+
+    def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    b, slots = 64, torch.empty((64,), dtype=torch.int64, device="meta")
+    n = len(launches)
+    ts.conv1d_decode_step(t(b, 8192), t(8192, 4), t(8192), slots, t(80, 8192, 3, dtype=torch.float32))
+    ts.gdn_decode_step(t(b, 16, 128), t(b, 16, 128), t(b, 32, 128), t(b, 32, dtype=torch.float32),
+                       t(b, 32, dtype=torch.float32), slots, t(80, 32, 128, 128, dtype=torch.float32))
+    f32 = torch.float32
+    ts.ssd_decode_step(t(b, 128, 64), t(b, 128, dtype=f32), t(128, dtype=f32), t(b, 8, 128), t(b, 8, 128), slots,
+                       t(80, 128, 64, 128, dtype=f32), D=t(128, dtype=f32), dt_bias=t(128, dtype=f32))
+    launches[n:] = [(f"{name}[b{b}]", *rest) for name, *rest in launches[n:]]
+
+
 def _record_all() -> list:
     from engine.attention import mla_triton, triton_kernels
     from engine.extras.lora import triton_sgmv
     from engine.models import moe_triton
+    from engine.recurrent import triton_steps
 
     launches: list = []
     _patch(triton_kernels, ["decode_stage1_kernel", "decode_stage2_kernel", "extend_kernel"], launches)
     _patch(mla_triton, ["mla_decode_stage1_kernel", "mla_merge_kernel"], launches)
     _patch(moe_triton, ["moe_gemm_kernel"], launches)
     _patch(triton_sgmv, ["sgmv_shrink_kernel", "sgmv_expand_kernel"], launches)
+    _patch(triton_steps, ["conv1d_step_kernel", "gdn_step_kernel", "ssd_step_kernel"], launches)
     for case in ("llama8b_decode_b4", "llama8b_decode_b128", "llama8b_decode_swa", "llama8b_prefill",
                  "llama8b_prefill_swa", "qwen_d64_decode_fp16", "qwen_d64_prefill_fp16", "fp32_decode",
                  "fp32_prefill", "smollm2_fp32_decode", "smollm2_fp32_prefill"):
@@ -156,6 +180,7 @@ def _record_all() -> list:
     _mla_launches(launches)
     _moe_launches(launches)
     _lora_launches(launches)
+    _recurrent_launches(launches)
     return launches
 
 
