@@ -257,10 +257,7 @@ class QuantTensor(nn.Module):
     @staticmethod
     def cat(parts: Sequence[QuantTensor]) -> QuantTensor:
         """Row-wise concatenation (q/k/v, gate/up) of weights of one scheme and group size."""
-        first = parts[0]
-        if any((p.scheme, p.group, p.cols, p.zero is None) != (first.scheme, first.group, first.cols,
-                                                                first.zero is None) for p in parts):
-            raise ValueError("cannot fuse quantized weights of different schemes, group sizes or zero points")
+        first = _alike(parts, "fuse")
         zero = None if first.zero is None else torch.cat([p.zero for p in parts], dim=-2)
         return first._like(torch.cat([p.qdata for p in parts], dim=-2), torch.cat([p.scale for p in parts], dim=-2),
                            zero)
@@ -268,10 +265,7 @@ class QuantTensor(nn.Module):
     @staticmethod
     def stack(parts: Sequence[QuantTensor]) -> QuantTensor:
         """A new leading dimension (experts)."""
-        first = parts[0]
-        if any((p.scheme, p.group, p.cols, p.zero is None) != (first.scheme, first.group, first.cols,
-                                                                first.zero is None) for p in parts):
-            raise ValueError("cannot stack quantized weights of different schemes, group sizes or zero points")
+        first = _alike(parts, "stack")
         zero = None if first.zero is None else torch.stack([p.zero for p in parts])
         return first._like(torch.stack([p.qdata for p in parts]), torch.stack([p.scale for p in parts]), zero)
 
@@ -306,6 +300,15 @@ class QuantTensor(nn.Module):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
         """x [T, in] -> x W^T (+ bias) [T, out], W dequantized for this call only."""
         return F.linear(x, self.dequant(index, x.dtype), bias)
+
+
+def _alike(parts: Sequence[QuantTensor], what: str) -> QuantTensor:
+    """The first of `parts` once all share its scheme, group size, columns and zero points (else ValueError)."""
+    first = parts[0]
+    key = (first.scheme, first.group, first.cols, first.zero is None)
+    if any((p.scheme, p.group, p.cols, p.zero is None) != key for p in parts):
+        raise ValueError(f"cannot {what} quantized weights of different schemes, group sizes or zero points")
+    return first
 
 
 def _unpack(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
