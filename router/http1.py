@@ -267,7 +267,7 @@ class Pool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.transport.is_closing():
                 conn.reused = True
                 return conn
         return None
@@ -290,7 +290,10 @@ class Pool:
         for _ in range(2):
             conn = self._acquire_idle(key) or await self._connect(key)
             try:
-                conn.transport.write(data)
+                try:
+                    conn.transport.write(data)
+                except RuntimeError as e:  # the peer closed it and the loop closed its handle (uvloop)
+                    raise RemoteProtocolError(f"connection closed before the request was sent: {e}") from e
                 while not conn.headers_done:
                     await conn.wait(self.read_timeout_s)
             except RemoteProtocolError:

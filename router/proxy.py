@@ -494,6 +494,10 @@ class Proxy:
                 except ProxyError as e:
                     yield sse_event(error_body(f"{failed}; migration failed: {e.message}", e.status)) + DONE_EVENT
                     break
+                except Exception as e:  # a started stream still ends with an event, never a cut connection
+                    log.exception("migrating a %s stream failed", req.endpoint)
+                    yield sse_event(error_body(f"{failed}; migration failed: {e!r}", 502)) + DONE_EVENT
+                    break
         finally:
             self.metrics.requests.inc(endpoint=req.endpoint, status=outcome)
             self.metrics.e2e.observe(time.monotonic() - t0)
