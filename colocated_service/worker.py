@@ -11,10 +11,10 @@ report what the scheduler's outbox holds (`Scheduler.drain`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
-from engine.distributed.tp_runner import make_runner
+from engine.distributed import tp_runner
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import spec_for_server
 from engine.kvcache.kv_manager import KVManager
@@ -87,9 +87,12 @@ class ColocatedRole:
         pass
 
 
-def run_colocated_worker(cfg: ServerConfig) -> None:
+def run_colocated_worker(cfg: ServerConfig,
+                         make_runner: Callable[[EngineConfig], ModelRunner] = tp_runner.make_runner) -> None:
+    """The colocated worker process; `make_runner` builds the model runner (a TPRunner driving ranks 1..N-1
+    under --tp N; tests pass a slowed one)."""
     setup_process(cfg)
-    runner = make_runner(cfg.engine)  # a TPRunner driving ranks 1..N-1 under --tp N
+    runner = make_runner(cfg.engine)
     role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
                                                           cfg.engine.prefix_cache, spec_for_server(cfg)))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

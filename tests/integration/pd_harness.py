@@ -17,12 +17,13 @@ from loadtest.services import ALWAYS_PD  # these tests are about the PD path: ev
 COMMON = ["--device", "cpu", "--threads", "1", "--host-kv-tokens", "16384", "--log-level", "warning"]
 
 
-def start_service(role: str, *extra: str, env: dict | None = None) -> tuple[Proc, int | None]:
-    """Start `pdserve <role>` (with `env` added to its environment); returns (process, bootstrap port
-    for a prefill else None). A decode gets ALWAYS_PD before `extra` (a later flag wins)."""
+def start_service(role: str, *extra: str, env: dict | None = None, module: str = "pdserve") -> tuple[Proc, int | None]:
+    """Start `pdserve <role>` (with `env` added to its environment; `module` another entry point taking
+    the role first, e.g. tests.integration.slow_worker); returns (process, bootstrap port for a prefill
+    else None). A decode gets ALWAYS_PD before `extra` (a later flag wins)."""
     port = free_port()
     pinned = list(ALWAYS_PD) if role == "decode" else []
-    args = [sys.executable, "-m", "pdserve", role, "--port", str(port), *COMMON, *pinned, *extra]
+    args = [sys.executable, "-m", module, role, "--port", str(port), *COMMON, *pinned, *extra]
     boot = None
     if role == "prefill" and "--bootstrap-port" not in extra:
         boot = free_port()

@@ -2,7 +2,7 @@
 TCP loopback, a tiny random model; the test plays the router (pd_harness.pd_call).
 
 Each decode runs one request at a time (--max-running-requests 1) and every forward of it lasts at
-least tests/integration/slow_decode.py's STEP_S, so a 1000-token stream holds it for 5 s or more on
+least tests/integration/slow_worker.py's STEP_S, so a 1000-token stream holds it for 5 s or more on
 any machine; the prefill's bootstrap timeout is 2 s. Requests sent behind that stream wait in the
 decode's prealloc queue, and their rooms wait at the prefill past its bootstrap timeout because the
 decode says, in its heartbeats, that it holds them queued (the prefill counts them: rooms_kept_queued).
@@ -45,7 +45,7 @@ def _start_slow_decode(model: Path, *extra: str) -> Proc:
     """`pdserve decode` (flags as pd_harness.start_service gives them) with slow forwards, one request at
     a time."""
     port = free_port()
-    args = [sys.executable, "-m", "tests.integration.slow_decode", "--port", str(port), *COMMON, *ALWAYS_PD,
+    args = [sys.executable, "-m", "tests.integration.slow_worker", "decode", "--port", str(port), *COMMON, *ALWAYS_PD,
             "--model", str(model), "--bootstrap-timeout", str(BOOTSTRAP_S), "--max-running-requests", "1", *extra]
     return Proc(f"slow-decode-{port}", args, f"http://127.0.0.1:{port}", env=ENV)
 

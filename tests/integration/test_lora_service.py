@@ -60,7 +60,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     common = ["--model", str(model), "--page-size", "8"]
     procs: dict = {}
     try:
-        procs["colo"], _ = start_service("colocated", *common, *both, "--max-loaded-loras", "3")
+        # slowed forwards (slow_worker.STEP_S each): a 400-token request holds its adapter 2 s or more
+        procs["colo"], _ = start_service("colocated", *common, *both, "--max-loaded-loras", "3",
+                                         module="tests.integration.slow_worker")
         procs["p"], boot = start_service("prefill", *common, *both)
         procs["d1"], _ = start_service("decode", *common, *both)
         procs["d2"], _ = start_service("decode", *common, "--lora-paths", f"qv={paths['qv']}")
@@ -146,13 +148,14 @@ def test_load_unload_under_load(stack: dict) -> None:
         others = [ex.submit(_gen, url, _prompt(5 + i), name) for i, name in enumerate(["qv", "all", None, "qv"])]
         busy = _post(url, "/unload_lora_adapter", {"lora_name": "mlp"})
         assert busy.status_code == 409 and "mlp" in busy.text, busy.text  # the long request still uses it
-        _gen(url, _prompt(9), "all")  # "qv" is now the least recently used idle adapter...
+        for f in others:  # done: "qv" and "all" are idle again ("mlp" stays held by the long request)
+            assert f.result()[0] == 200
+        _gen(url, _prompt(9), "all")  # "qv" is now the least recently used idle adapter
+        assert not long.done(), "the long request ended before the load: raise slow_worker.STEP_S"
         r = _post(url, "/load_lora_adapter", {"lora_name": "o", "lora_path": str(paths["o"])})
         assert r.status_code == 200, r.text
-        # ...unless a request held it: the 4 "others" may still run; then "all" (older) went
-        assert r.json()["evicted"] in ("qv", "all"), r.json()
-        for f in [long, *others]:
-            assert f.result()[0] == 200
+        assert r.json()["evicted"] == "qv", r.json()
+        assert long.result()[0] == 200
     assert _post(url, "/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 200
     assert _post(url, "/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 404
     assert _gen(url, _prompt(10), "mlp")[0] == 400
