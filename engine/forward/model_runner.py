@@ -70,7 +70,7 @@ class ModelRunner:
         self.dtype = DTYPES[cfg.dtype]
         extra = {} if shard.tp is None else {"tp": shard.tp}
         self.model = load_model(self.model_path, mc, cfg.dtype, str(self.device), max(self.context_length, 1) + 1,
-                                cfg.cpu_gemm, **extra)
+                                cfg.cpu_gemm, quantization=cfg.quantization, **extra)
         self.tp = self.model.tp  # engine.distributed.tp.TPGroup: only its driver (rank 0) has an LM head
         if self.context_length > mc.max_position and not mc.rope_scaling and self.tp.driver:
             log.warning("context length %d exceeds the model's %d", self.context_length, mc.max_position)
@@ -164,6 +164,7 @@ class ModelRunner:
             "max_total_tokens": self.pool.total_tokens,
             "host_kv_tokens": self.cfg.num_host_pages * self.page_size,
             "dtype": self.cfg.dtype,
+            "quantization": self.cfg.quantization,  # --quantization (none: as the checkpoint ships)
             "device": self.cfg.device,
             "tp": self.tp.size,
             "attention_backend": self.backend.name,

@@ -150,8 +150,9 @@ class DenseMLP(nn.Module):
         """x [T, H] -> silu(gate(x)) * up(x) [T, inter] (this rank's share)."""
         m = self.gate_up_proj
         q = getattr(m, "weight_quant", None)
-        if q is not None:  # a quantized checkpoint's gate/up, dequantized for this call
-            return cpu_gemm.silu_gate_up(x, q.dequant(dtype=x.dtype), None, self.inter)
+        if q is not None:  # low-bit gate/up (engine/models/quant.py): one GEMM, then silu(gate) * up
+            gate, up = q.linear(x).split(self.inter, dim=-1)
+            return F.silu(gate).mul_(up)
         return cpu_gemm.silu_gate_up(x, m.weight, getattr(m, "packed", None), self.inter)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.cpu_gemm import pack_model
-from engine.models.quant import QuantTensor, parse, wrap
+from engine.models.quant import QuantTensor, parse, quantize, wrap
 from engine.models.registry import family
 from engine.models.rope import Rotary
 
@@ -45,18 +45,24 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: int,
-               cpu_gemm: str = "onednn", tp: TPGroup = SINGLE) -> nn.Module:
+               cpu_gemm: str = "onednn", tp: TPGroup = SINGLE, quantization: str = "none") -> nn.Module:
     """The family's Model for cfg.model_type, holding rank tp.rank's share of the weights at `path`, on
-    `device` in `dtype`, with rotary tables for positions < max_pos."""
+    `device` in `dtype`, with rotary tables for positions < max_pos. `quantization` int8 / int4 quantizes
+    the decoder layers' nn.Linear weights of a full-precision checkpoint here (engine/models/quant_cpu.py)."""
     fam = family(cfg.model_type)
     try:
         scheme = parse(json.loads((Path(path) / "config.json").read_text()))
         raw = wrap(_read_tensors(Path(path)), scheme)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    if scheme is not None and tp.size > 1:
-        raise ValueError(f"{path}: tensor parallelism (tp {tp.size}) over a quantized checkpoint "
-                         f"(quantization_config.quant_method {scheme.method!r}) is not supported yet; use tp 1")
+    if scheme is not None and quantization != "none":
+        raise ValueError(f"{path}: --quantization {quantization} quantizes a full-precision checkpoint, but this one "
+                         f"is already quantized ({scheme.describe()}, config.json's quantization_config); drop "
+                         "--quantization to run it as shipped")
+    if (scheme is not None or quantization != "none") and tp.size > 1:
+        what = f"quantization_config.quant_method {scheme.method!r}" if scheme else f"--quantization {quantization}"
+        raise ValueError(f"{path}: tensor parallelism (tp {tp.size}) over a quantized checkpoint ({what}) is not "
+                         "supported yet; use tp 1")
     with torch.device("meta"):
         model = fam.Model(cfg, max_pos, tp)
     try:
@@ -66,6 +72,8 @@ def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: i
     unfilled = sorted(set(dict(model.named_parameters())) - set(params))
     if unfilled:
         raise ValueError(f"{path}: no weight for parameters {unfilled[:5]}")
+    if quantization != "none":
+        params = _quantize(model, params, quantization)
     quantized = {name: params.pop(name) for name in [n for n, t in params.items() if isinstance(t, QuantTensor)]}
     for name, q in quantized.items():  # still on meta: the full-precision parameter is never allocated
         _check_shape(name, q, model.get_parameter(name))
@@ -88,6 +96,18 @@ def load_model(path: Path, cfg: ModelConfig, dtype: str, device: str, max_pos: i
         if hasattr(m, "pack_weights"):
             m.pack_weights(cpu_gemm)
     return model.eval()
+
+
+def _quantize(model: nn.Module, params: dict, scheme: str) -> dict:
+    """`--quantization`: every 2-D nn.Linear weight of the decoder layers -> a QuantTensor (quant.quantize);
+    embeddings, norms, the LM head and anything else stay as they are."""
+    out = dict(params)
+    for name, t in params.items():
+        prefix, _, attr = name.rpartition(".")
+        if (name.startswith("layers.") and attr == "weight" and isinstance(t, torch.Tensor) and t.dim() == 2
+                and isinstance(model.get_submodule(prefix), nn.Linear)):
+            out[name] = quantize(t, scheme)
+    return out
 
 
 def _check_shape(name: str, tensor: torch.Tensor | QuantTensor, target: torch.Tensor) -> None:

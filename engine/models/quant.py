@@ -20,18 +20,29 @@ on the values and the scales alike, whatever the 128-row block boundaries (DeepS
 kv_a_proj_with_mqa has 576 rows: 4.5 blocks). Cost of that choice: 4 bytes per `bi` weights, 3% over
 the fp8 bytes at bi = 128 (1.03 bytes per weight against fp32's 4: 0.258 of fp32).
 
-Compute (`QuantTensor.linear`): x @ W^T with W dequantized inside the call, one whole layer (or one
-expert, or MLA's kv_b once per forward) at a time into a transient buffer freed after the GEMM
-(torch's F.linear); no full-precision copy of the model is kept. Per layer rather than block by block:
-row tiles of 64..512 rows through torch ops measured slower (per-op overhead beats the cache gain at
-these sizes). FP8 -> fp32 goes through integer bit moves (`fp8_bits_to_fp32`, about 30x faster than
-torch's own cast on this CPU) and is bit-identical to transformers' `FineGrainedFP8Config(dequantize=
-True)`; ints follow compressed-tensors' (q - zero) * scale in the scale's dtype. The transient costs a
-few passes over out*in values per call: on the CPU this path is slower than the packed fp32 GEMM
-(measured per layer at SmolLM2-135M's shapes, one thread, batch 1: fp8 about 4x, int8 about 3x, int4
-about 6x the packed fp32 time; at 64 rows 1.4-2.5x). It buys memory (and exactness), not speed: the fast
-low-bit kernels are issue 49's later part. Tensor parallelism over quantized weights is refused at
-load (`loader.load_model`).
+Compute (`QuantTensor.linear`): int8 / int4 weights with fp32 scales, fp32 activations on the CPU run
+through quant_cpu.py's C kernel straight from the stored bytes (decode: up to 16 rows; above that a
+one-pass C dequantize into a transient fp32 weight and a dense GEMM); the GEMM sums (q - zero) x per group
+and scales once per group, equal to the dequantize path within float rounding. torch's own weight-only
+CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) are exact but 10-20x slower than
+packed fp32 here (quant_cpu.py has the numbers). Everything else (fp8; bf16/fp16 scales, whose product
+compressed-tensors rounds in that dtype; bf16 activations; expert stacks through `dequant`) dequantizes
+one whole layer (or one expert, or MLA's kv_b once per forward) per call into a transient buffer freed
+after the GEMM (torch's F.linear); no full-precision copy of the model is kept. Per layer rather than
+block by block: row tiles of 64..512 rows through torch ops measured slower (per-op overhead beats the
+cache gain at these sizes). FP8 -> fp32 goes through integer bit moves (`fp8_bits_to_fp32`, about 30x
+faster than torch's own cast on this CPU) and is bit-identical to transformers' `FineGrainedFP8Config(
+dequantize=True)`; ints follow compressed-tensors' (q - zero) * scale in the scale's dtype. The dequantize
+path costs a few passes over out*in values per call: slower than the packed fp32 GEMM (per layer at
+SmolLM2-135M's shapes, one thread, batch 1: fp8 about 4x, int8 about 3x, int4 about 6x the packed fp32 time).
+
+Why FP8 is not converted at load to int8 per channel (which the fast kernel would run): e4m3 holds 3
+mantissa bits over a 2^-9..448 range, so one scale per row cannot hold every fp8 value of a 128x128 block
+exactly in 8 bits (and two blocks' scales differ along a row); the converted weights would differ from
+what transformers computes with FineGrainedFP8Config(dequantize=True), and the FP8 oracle tests require
+1e-3 on the logits and identical greedy tokens. An FP8 fast path needs a kernel that reads e4m3 bytes and
+block scales (issue 49's remaining part). Tensor parallelism over quantized weights is refused at load
+(`loader.load_model`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.models import quant_cpu
 
 FP8_FIELDS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "modules_to_not_convert",
               "ignored_layers"}
@@ -298,7 +311,15 @@ class QuantTensor(nn.Module):
         return w if w.dtype == dtype else w.to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, index: int | None = None) -> torch.Tensor:
-        """x [T, in] -> x W^T (+ bias) [T, out], W dequantized for this call only."""
+        """x [T, in] -> x W^T (+ bias) [T, out]: int8/int4 with fp32 scales on the CPU through quant_cpu's
+        kernel (the bytes as stored, no full-precision weight); else W dequantized for this call only."""
+        if self.scheme != "fp8" and x.dim() == 2:
+            pick = (lambda t: t) if index is None else (lambda t: t[index])  # noqa: E731
+            data, scale = pick(self.qdata), pick(self.scale)
+            zero = None if self.zero is None else pick(self.zero)
+            if quant_cpu.fits(x, data, scale, zero, self.scheme, self.group, self.cols):
+                y = quant_cpu.gemm(x, data, scale, zero, self.scheme, self.group, self.cols)
+                return y if bias is None else y.add_(bias)
         return F.linear(x, self.dequant(index, x.dtype), bias)
 
 
@@ -398,3 +419,31 @@ def _wrap_packed(raw: Mapping[str, torch.Tensor], scheme: QuantScheme) -> dict[s
 def quantized_modules(model: nn.Module) -> list[tuple[str, QuantTensor]]:
     """(name, QuantTensor) of every quantized weight a loaded model holds."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, QuantTensor)]
+
+
+def int4_group(cols: int) -> int:
+    """The int4 group size for a weight of `cols` columns: the largest of 128, 64, 32, 16 dividing it."""
+    for g in (128, 64, 32, 16):
+        if cols % g == 0:
+            return g
+    raise ValueError(f"--quantization int4 needs weights whose column count is a multiple of 16, got {cols}")
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantTensor:
+    """A full-precision weight [out, in] -> QuantTensor `scheme` ("int8": per output channel; "int4": per
+    group of int4_group(in) columns), symmetric, fp32 scales, round to nearest."""
+    w = w.detach().float()
+    out, cols = w.shape
+    if scheme == "int8":
+        group, qmax, offset = cols, 127, 128
+    elif scheme == "int4":
+        group, qmax, offset = int4_group(cols), 7, 8
+    else:
+        raise ValueError(f"--quantization must be one of {', '.join(quant_cpu.SCHEMES)}, got {scheme!r}")
+    g = w.unflatten(-1, (cols // group, group))
+    scale = (g.abs().amax(-1) / qmax).clamp(min=1e-12)  # [out, groups]
+    q = torch.round(g / scale[..., None]).clamp(-qmax - 1, qmax).flatten(-2).to(torch.int16) + offset
+    data = q.to(torch.uint8)
+    if scheme == "int4":
+        data = data[:, 0::2] | (data[:, 1::2] << 4)
+    return QuantTensor(data.contiguous(), scale.contiguous(), group, scheme, None, cols)

@@ -1,4 +1,5 @@
-"""Build engine/native/kernels.c once per machine and load it (ctypes).
+"""Build engine/native/kernels.c (or another C source: engine/models/quant_cpu.c) once per machine and
+load it (ctypes).
 
 The shared object is cached under `<cache root>/kernels/<key>.so`, the key a hash of the source, the
 flags, the compiler's version and this CPU's flags (`-march=native` code is only reused on a CPU
@@ -49,22 +50,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def cache_key(cc: str) -> str:
+def cache_key(cc: str, source: Path = SOURCE) -> str:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"{cc} --version failed: {e}") from e
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
 
-def build(cache_dir: Path | None = None) -> Path:
-    """Path of the built shared object, compiling it first when the cache lacks it."""
+def build(cache_dir: Path | None = None, source: Path = SOURCE) -> Path:
+    """Path of `source` built as a shared object, compiling it first when the cache lacks it."""
     cc = compiler()
     out_dir = cache_dir or cache_root() / "kernels"
-    target = out_dir / f"kernels-{cache_key(cc)}.so"
+    target = out_dir / f"{source.stem}-{cache_key(cc, source)}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +73,7 @@ def build(cache_dir: Path | None = None) -> Path:
     os.close(fd)
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise BuildError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -82,13 +83,14 @@ def build(cache_dir: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built native CPU kernels in %.1f s: %s", time.monotonic() - t0, target)
+    log.info("built native CPU kernels (%s) in %.1f s: %s", source.name, time.monotonic() - t0, target)
     return target
 
 
-def load(cache_dir: Path | None = None) -> ctypes.CDLL:
-    """Build if needed and load; raises BuildError when either fails."""
-    path = build(cache_dir)
+def load(cache_dir: Path | None = None, source: Path = SOURCE) -> ctypes.CDLL:
+    """Build `source` (engine/native/kernels.c by default) if needed and load it; raises BuildError when
+    either fails."""
+    path = build(cache_dir, source)
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:

@@ -65,9 +65,8 @@ def test_without_a_compiler_the_cpu_backend_falls_back_to_torch(monkeypatch, cap
 def test_a_failing_compile_says_why(tmp_path, monkeypatch) -> None:
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(build, "SOURCE", bad)
     with pytest.raises(build.BuildError, match="failed"):
-        build.build(tmp_path / "out")
+        build.build(tmp_path / "out", bad)
     assert not list((tmp_path / "out").iterdir())  # the temporary object is removed
 
 
