@@ -8,6 +8,7 @@
     GET  /metrics       Prometheus text (router.metrics)
     GET  /openapi.json, /docs   the API (common.api_schema: the proxied endpoints' bodies and errors)
     GET  /admin/workers, POST /admin/workers {url, role, bootstrap_port?}, DELETE /admin/workers?url=
+    GET  /admin/kv_index   the KV index fed by the workers' KV events, per worker (router.kv_index)
 Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1/*, /generate, /admin/*.
 """
 
@@ -31,12 +32,13 @@ from router.config import RouterConfig, WorkerSpec
 from router.discovery_k8s import K8sDiscovery
 from router.embeddings import add_embeddings_route
 from router.health import HealthChecker
+from router.kv_index import KVIndex, KVSubscribers
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.prefix_index import PrefixIndex
 from router.protocol import error_body
 from router.proxy import Proxy
-from router.registry import Registry
+from router.registry import Registry, Worker
 from router.sessions import add_session_routes
 
 log = logging.getLogger("router.app")
@@ -48,9 +50,9 @@ class RouterState:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.registry = Registry(
-            cfg.health_failures, on_eject=lambda w: self.metrics.ejections.inc(role=w.role, url=w.url)
-        )
+        self.kv_index = KVIndex() if cfg.kv_events == "auto" else None  # fed by the workers' KV events
+        self.kv_subs = KVSubscribers(self.kv_index) if self.kv_index is not None else None
+        self.registry = Registry(cfg.health_failures, on_eject=self._ejected, on_remove=self._forget)
         for spec in cfg.workers:
             self.registry.add(spec)
         self.client = WorkerClient(cfg.internal_token, cfg.connect_timeout_s, cfg.request_timeout_s)
@@ -61,6 +63,8 @@ class RouterState:
                 cfg.balance_abs_threshold,
                 cfg.balance_rel_threshold,
                 PrefixIndex(cfg.cache_tree_chars),
+                self.kv_index,
+                predicts=role == "prefill",  # the prefill's reported cached tokens are compared
             )
             for role, name in (("prefill", cfg.prefill_policy), ("decode", cfg.decode_policy))
         }
@@ -76,8 +80,20 @@ class RouterState:
             migration_limit=cfg.migration_limit,
             local_prefill_queue_tokens=cfg.local_prefill_queue_tokens,
         )
-        self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s)
+        self.proxy.kv_index = self.kv_index
+        self.metrics.kv_index = self.kv_index
+        self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s,
+                                    self.kv_subs.watch_worker if self.kv_subs is not None else None)
         self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None
+
+    def _ejected(self, w: Worker) -> None:
+        self.metrics.ejections.inc(role=w.role, url=w.url)
+        self._forget(w)
+
+    def _forget(self, w: Worker) -> None:
+        """An ejected or removed worker's KV index entries go (re-admitted, it is subscribed again)."""
+        if self.kv_subs is not None:
+            self.kv_subs.drop(w.url)
 
     async def start(self) -> None:
         self.health.start()
@@ -88,6 +104,8 @@ class RouterState:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.health.stop()
+        if self.kv_subs is not None:
+            await self.kv_subs.close()
         await self.client.close()
 
 
@@ -206,6 +224,16 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
         w = st.registry.add(spec, source="admin")
         await st.health.probe(w)
         return JSONResponse(w.to_json())
+
+    @app.get("/admin/kv_index", responses=api_schema.errors(401))
+    async def kv_index(request: Request) -> Response:
+        """Per worker publishing KV events: events and batches seen, blocks per medium, the last sequence,
+        gaps, replays, clears, predicted vs reported cached tokens (docs/kv_events.md, "the router's index")."""
+        if denied := authorized(cfg, request):
+            return denied
+        if st.kv_index is None:
+            return JSONResponse({"enabled": False, "workers": {}})
+        return JSONResponse({"enabled": True, **st.kv_index.to_json()})
 
     @app.delete("/admin/workers", responses=api_schema.errors(401, 404, 409))
     async def remove_worker(request: Request, url: str = "") -> Response:

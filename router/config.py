@@ -100,6 +100,10 @@ class RouterConfig:
     cache_tree_chars: int = option(
         4_000_000, "cache_aware: prompt characters remembered per worker, least recently routed dropped first "
         "(default {default})", cli_default=None)
+    kv_events: str = option(
+        "auto", "cache_aware: auto subscribes to the KV cache events of every worker whose /server_info advertises "
+        "them and scores those workers by what they hold (docs/kv_events.md); off keeps the approximate tree "
+        "for all (default {default})", choices=("auto", "off"), cli_default=None)
     balance_abs_threshold: int = option(
         4, "cache_aware: fall back to least_load when the chosen worker has this many more outstanding requests "
         "than the least loaded one (default {default}) ...", cli_default=None)
@@ -154,6 +158,7 @@ class RouterConfig:
         need(self.worker_wait_s >= 0, "--worker-wait must be >= 0")
         need(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in 0..1")
         need(self.cache_tree_chars >= 64, "--cache-tree-chars must be >= 64")
+        need(self.kv_events in ("auto", "off"), "--kv-events must be auto or off")
         need(self.balance_abs_threshold >= 0, "--balance-abs-threshold must be >= 0")
         need(self.balance_rel_threshold >= 1.0, "--balance-rel-threshold must be >= 1")
         need(self.processes >= 1, "--workers must be >= 1")

@@ -2,13 +2,16 @@
 admits (or re-admits) the worker; `health_failures` failures in a row (probes and proxied requests
 both count) eject it; the last eligible worker of a role is ejected by failed probes only. A prefill
 whose bootstrap port is unknown also has its /server_info read (`bootstrap_port`, and
-`advertise_host`/`bootstrap_host` when present) before it becomes eligible.
+`advertise_host`/`bootstrap_host` when present) before it becomes eligible. With `on_server_info` set
+(the KV index's subscribers, router/kv_index.py), /server_info is read at every admission (a restarted
+worker may publish its KV events elsewhere) and handed to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -16,13 +19,17 @@ from router import lora
 from router.client import WorkerClient
 from router.registry import Registry, Worker
 
+ServerInfoHook = Callable[[Worker, dict], None]
+
 log = logging.getLogger("router.health")
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::", "::1")
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, client: WorkerClient, interval_s: float) -> None:
+    def __init__(self, registry: Registry, client: WorkerClient, interval_s: float,
+                 on_server_info: ServerInfoHook | None = None) -> None:
         self.registry = registry
+        self.on_server_info = on_server_info
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = min(max(interval_s, 1.0), 5.0)
@@ -37,7 +44,12 @@ class HealthChecker:
             if ok:
                 w.loras = lora.adapters_of(r)
             if ok and (not w.served_model_name or (w.role == "prefill" and w.bootstrap_port is None)):
-                self._apply_server_info(w, await self.client.server_info(w, self.timeout_s))
+                info = await self.client.server_info(w, self.timeout_s)
+                self._apply_server_info(w, info)
+                if self.on_server_info is not None:
+                    self.on_server_info(w, info)
+            elif ok and self.on_server_info is not None and not w.healthy:
+                await self._read_info_for_hook(w)
         except (httpx.HTTPError, ValueError) as e:
             ok, reason = False, repr(e)
         if ok:
@@ -45,6 +57,16 @@ class HealthChecker:
         else:
             self.registry.record_failure(w, reason, probe=True)
         return ok
+
+    async def _read_info_for_hook(self, w: Worker) -> None:
+        """/server_info at a re-admission, for `on_server_info` only: a failure does not keep the worker out."""
+        try:
+            info = await self.client.server_info(w, self.timeout_s)
+        except (httpx.HTTPError, ValueError) as e:
+            log.info("%s/server_info failed at admission: %r", w.url, e)
+            return
+        assert self.on_server_info is not None
+        self.on_server_info(w, info)
 
     def _apply_server_info(self, w: Worker, info: dict) -> None:
         w.served_model_name = str(info.get("served_model_name") or info.get("model") or "")

@@ -10,15 +10,20 @@ per-worker gauges are read from the registry at scrape time by a custom collecto
     pdserve_router_itl_seconds                        router-side gap between streamed events
     pdserve_router_e2e_seconds                        router-side request latency
     pdserve_router_worker_outstanding_requests{role,url}, ..._tokens{role,url}, ..._healthy{role,url}
+    pdserve_router_kv_index_predicted_cached_tokens_total   prompt tokens the KV index predicted cached on the
+                                                      prefills it picked (requests with token ids, workers with events)
+    pdserve_router_kv_index_reported_cached_tokens_total    the cached tokens those prefills reported for them
+    pdserve_router_kv_index_blocks{url,medium}        blocks the KV index holds per worker and medium
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.metrics import CollectorRegistry, Histogram, LabeledCounter, render
+from router.kv_index import KVIndex
 from router.registry import Registry
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -36,6 +41,7 @@ class WorkerTableCollector:
 
     def __init__(self) -> None:
         self.registry: Registry | None = None
+        self.kv_index: KVIndex | None = None
 
     def collect(self) -> Iterator[Metric]:
         workers = self.registry.all() if self.registry is not None else []
@@ -44,6 +50,20 @@ class WorkerTableCollector:
             for w in workers:
                 g.add_metric([w.role, w.url], get(w))
             yield g
+        kv = self.kv_index
+        if kv is None:
+            return
+        for what in ("predicted", "reported"):
+            c = CounterMetricFamily(f"pdserve_router_kv_index_{what}_cached_tokens",
+                                    f"Prompt tokens cached on the picked prefill, {what} (KV index vs the worker)")
+            c.add_metric([], getattr(kv, f"{what}_total"))
+            yield c
+        g = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Blocks the KV index holds per worker and medium",
+                              labels=["url", "medium"])
+        for url, w in kv.workers.items():
+            for medium, blocks in w.media.items():
+                g.add_metric([url, medium], len(blocks))
+        yield g
 
 
 class RouterMetrics:
@@ -73,6 +93,14 @@ class RouterMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.workers = WorkerTableCollector()
         r.register(self.workers)
+
+    @property
+    def kv_index(self) -> KVIndex | None:
+        return self.workers.kv_index
+
+    @kv_index.setter
+    def kv_index(self, kv: KVIndex | None) -> None:
+        self.workers.kv_index = kv
 
     def render(self, registry: Registry) -> str:
         self.workers.registry = registry

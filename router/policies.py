@@ -15,6 +15,13 @@ failed this request before calling, and fall back to the full list if nothing is
                 one hot prefix cannot pin a worker. The picked worker's tree then holds the prompt.
                 A request with a `routing_key` is routed by a digest of the key instead of its
                 prompt (router.protocol), so requests sharing a key stay on one worker.
+                With a KV index (router/kv_index.py, `--kv-events auto`): a worker that publishes KV
+                events is scored by what it really holds: the request's leading pages on its device,
+                plus HOST_WEIGHT x those after them on its host tier, as a share of the prompt's
+                tokens, against the same `threshold` and load guard. That needs the request's token
+                ids (`exact`: /generate `input_ids`, /v1/completions with a token-id prompt); a text
+                or chat prompt, a `routing_key`, or a worker without events is scored by the
+                approximate tree instead (the router has no tokenizer).
 """
 
 from __future__ import annotations
@@ -22,19 +29,22 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
+from router.kv_index import ExactPrompt, KVIndex
 from router.prefix_index import PrefixIndex
 from router.registry import Worker
 
+HOST_WEIGHT = 0.5  # a page on the host tier: loaded back, not recomputed, but not free either
+
 
 class Policy(Protocol):
-    def pick(self, candidates: list[Worker], prefix: str) -> Worker: ...
+    def pick(self, candidates: list[Worker], prefix: str, exact: ExactPrompt | None = None) -> Worker: ...
 
 
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list[Worker], prefix: str) -> Worker:
+    def pick(self, candidates: list[Worker], prefix: str, exact: ExactPrompt | None = None) -> Worker:
         ordered = sorted(candidates, key=lambda w: w.url)
         return ordered[next(self._counter) % len(ordered)]
 
@@ -43,7 +53,7 @@ class LeastLoad:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list[Worker], prefix: str) -> Worker:
+    def pick(self, candidates: list[Worker], prefix: str, exact: ExactPrompt | None = None) -> Worker:
         best = min((w.outstanding_requests, w.outstanding_tokens) for w in candidates)
         tied = sorted(
             (w for w in candidates if (w.outstanding_requests, w.outstanding_tokens) == best),
@@ -53,31 +63,48 @@ class LeastLoad:
 
 
 class CacheAware:
-    def __init__(
-        self, index: PrefixIndex, threshold: float = 0.3, abs_threshold: int = 4, rel_threshold: float = 1.5
-    ) -> None:
+    def __init__(self, index: PrefixIndex, threshold: float = 0.3, abs_threshold: int = 4, rel_threshold: float = 1.5,
+                 kv: KVIndex | None = None, predicts: bool = False) -> None:
         self.index = index
+        self.kv = kv
+        self.predicts = predicts  # count the index's predicted cached tokens of each pick (the prefill role's)
         self._threshold = threshold
         self._abs = abs_threshold
         self._rel = rel_threshold
         self._fallback = LeastLoad()
+        self._predicted: dict[str, int] = {}  # url -> device tokens the KV index predicts (this pick)
+        self._memo: dict[tuple[int, str], list[int]] = {}  # (page size, namespace) -> the request's hashes (this pick)
 
-    def by_cache(self, candidates: list[Worker], chain: list[int]) -> Worker:
-        if chain:
-            scored = [(self.index.matched(w.url, chain), w) for w in candidates]
-            best = max(n for n, _ in scored)
-            if best and best >= self._threshold * len(chain):
-                return min((w for n, w in scored if n == best), key=lambda w: (w.outstanding_requests, w.url))
+    def share(self, w: Worker, chain: list[int], exact: ExactPrompt | None) -> float:
+        """The share of the prompt `w` holds: from its KV events when it has them and `exact` is given, else
+        from the approximate tree."""
+        if exact is not None and exact.token_ids and self.kv is not None:
+            got = self.kv.prefix_of(w.url, exact, w.loras, self._memo)
+            if got is not None:
+                device, host, size = got
+                self._predicted[w.url] = device * size
+                return (device + HOST_WEIGHT * host) * size / len(exact.token_ids)
+        return self.index.matched(w.url, chain) / len(chain) if chain else 0.0
+
+    def by_cache(self, candidates: list[Worker], chain: list[int], exact: ExactPrompt | None = None) -> Worker:
+        scored = [(self.share(w, chain, exact), w) for w in candidates]
+        best = max(n for n, _ in scored)
+        if best and best >= self._threshold:
+            return min((w for n, w in scored if n == best), key=lambda w: (w.outstanding_requests, w.url))
         return min(candidates, key=lambda w: (w.outstanding_requests, self.index.size(w.url), w.url))
 
-    def pick(self, candidates: list[Worker], prefix: str) -> Worker:
+    def pick(self, candidates: list[Worker], prefix: str, exact: ExactPrompt | None = None) -> Worker:
         chain = self.index.chain(prefix)
-        chosen = self.by_cache(candidates, chain)
+        self._predicted.clear()
+        self._memo.clear()
+        chosen = self.by_cache(candidates, chain, exact)
         least = min(w.outstanding_requests for w in candidates)
         load = chosen.outstanding_requests
         if load - least > self._abs and load > least * self._rel:
             chosen = self._fallback.pick(candidates, prefix)
         self.index.insert(chosen.url, chain)
+        if self.kv is not None and self.predicts and chosen.url in self._predicted:
+            self.kv.record_predicted(chosen.url, self._predicted[chosen.url])
         return chosen
 
 
@@ -87,11 +114,13 @@ def make_policy(
     abs_threshold: int = 4,
     rel_threshold: float = 1.5,
     index: PrefixIndex | None = None,
+    kv: KVIndex | None = None,
+    predicts: bool = False,
 ) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
     if name == "cache_aware":
-        return CacheAware(index or PrefixIndex(), cache_threshold, abs_threshold, rel_threshold)
+        return CacheAware(index or PrefixIndex(), cache_threshold, abs_threshold, rel_threshold, kv, predicts)
     raise ValueError(f"unknown policy {name!r}")

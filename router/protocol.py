@@ -30,6 +30,7 @@ from common.http import (
     PREFILL_HERE_KEY,
     error_body,  # noqa: F401 (the router's modules import it from here)
 )
+from router.kv_index import ExactPrompt
 
 MODELS = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
           "/v1/chat/completions": ChatCompletionRequest}
@@ -54,6 +55,7 @@ class ProxyRequest:
     input_logprobs: bool  # prefill's input logprobs go in front of decode's
     n: int = 1  # choices (the decode streams them interleaved, each event with its index)
     trace: Any = None  # the request's span while tracing is on (common.tracing), else None
+    exact: ExactPrompt | None = None  # token ids (+ salt, adapter) when the prompt is ids: exact KV index lookups
 
     def prefill_body(self, host: str, port: int, room: int) -> dict:
         body = self.decode_body(host, port, room)
@@ -113,7 +115,19 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
         max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new,
         input_logprobs=input_lp,
         n=n,
+        exact=None if m.routing_key is not None else _exact(endpoint, prompt, body),
     )
+
+
+def _exact(endpoint: str, prompt: str | list[int], body: dict) -> ExactPrompt | None:
+    """What the KV index hashes (router/kv_index.py): a token-id prompt, its cache salt (both salts given and
+    different: joined, as service.request_options does) and the adapter it names; None for a text prompt."""
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], int):
+        return None
+    salts = [s for s in (body.get("extra_key"), body.get("cache_salt")) if isinstance(s, str)]
+    salt = "" if not salts else salts[0] if len(set(salts)) == 1 else "\x1f".join(salts)
+    adapter = body.get("lora_path" if endpoint == "/generate" else "model")
+    return ExactPrompt(prompt, salt, adapter if isinstance(adapter, str) else "")
 
 
 def _prompt_of(m: Any, body: dict) -> str | list[int]:

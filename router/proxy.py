@@ -42,6 +42,7 @@ from common import tracing
 from router import lora, reqlog, spans
 from router.client import TRANSPORT_ERRORS, HttpxResponse, WorkerClient
 from router.http1 import Response
+from router.kv_index import ExactPrompt, KVIndex, cached_tokens_of
 from router.metrics import RouterMetrics
 from router.migration import StreamLedger, migratable, with_token_ids
 from router.policies import Policy
@@ -200,6 +201,7 @@ class Proxy:
         # the decode is asked to prefill the request itself (0: never)
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self._background: set[asyncio.Task] = set()
+        self.kv_index: KVIndex | None = None  # set with --kv-events auto: prefills' reported cached tokens go there
 
     # ---- public API -------------------------------------------------------------------------------
     async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
@@ -222,12 +224,13 @@ class Proxy:
 
     # ---- pairing and retries ------------------------------------------------------------------------
     async def _pick(
-        self, role: str, prefix: str, tried: set[str], refused: Refusals, span: Any = None, adapter: str = ""
+        self, role: str, prefix: str, tried: set[str], refused: Refusals, span: Any = None, adapter: str = "",
+        exact: ExactPrompt | None = None,
     ) -> Worker:
         """An eligible worker of `role` that has not refused the request, one it has not tried when there is
         one; ProxyError 503 when none is eligible (after `worker_wait_s`) or every eligible one refused."""
         if span is not None:
-            return await spans.traced_pick(lambda: self._pick(role, prefix, tried, refused, None, adapter), span,
+            return await spans.traced_pick(lambda: self._pick(role, prefix, tried, refused, None, adapter, exact), span,
                                            role, len(tried), lambda: len(self.registry.eligible(role)))
         eligible = self.registry.eligible(role) or await self.registry.wait_eligible(role, self.worker_wait_s)
         if not eligible:
@@ -240,7 +243,7 @@ class Proxy:
         if not willing:
             raise refused.error()
         fresh = [w for w in willing if w.url not in tried]
-        return self.policies[role].pick(lora.prefer(fresh or willing, adapter), prefix)
+        return self.policies[role].pick(lora.prefer(fresh or willing, adapter), prefix, exact)
 
     async def _with_retries(self, req: ProxyRequest, attempt, avoid_decode: str = ""):
         tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}}
@@ -249,8 +252,9 @@ class Proxy:
         for n in range(self.max_retries + 1):
             span = None if req.trace is None else spans.attempt_span(req.trace, n)
             try:
-                p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, lora.adapter_of(req))
-                d = await self._pick("decode", req.prefix, tried["decode"], refused, span, lora.adapter_of(req))
+                adapter = lora.adapter_of(req)
+                p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, adapter, req.exact)
+                d = await self._pick("decode", req.prefix, tried["decode"], refused, span, adapter, req.exact)
                 if n:  # a retry is an attempt made again (not one every worker refused before it began)
                     self.metrics.retries.inc()
                 room = secrets.randbits(63)
@@ -348,6 +352,11 @@ class Proxy:
             lease.release()
         return _result(w, resp.status, content)
 
+    def _report_cached(self, p: Worker, p_task: asyncio.Task) -> None:
+        """The prefill's reported cached tokens, for the KV index's predicted vs reported (router/kv_index.py)."""
+        if self.kv_index is not None and not p_task.cancelled() and p_task.exception() is None:
+            self.kv_index.record_reported(p.url, cached_tokens_of(p_task.result().body))
+
     def _prefill_busy(self, p: Worker) -> bool:
         """The picked prefill's outstanding prompt tokens (before this request's) reach the bound."""
         bound = self.local_prefill_queue_tokens
@@ -388,6 +397,8 @@ class Proxy:
             await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
             out = answer(p_task, d_task.result())
             ok = True
+            if self.kv_index is not None and req.exact is not None:
+                p_task.add_done_callback(lambda t: self._report_cached(p, t))  # P may still be finishing
             return out
         finally:
             if ok:

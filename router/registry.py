@@ -62,13 +62,15 @@ class Worker:
 
 
 class Registry:
-    """Workers by URL. `on_eject(worker)` is called once per healthy -> ejected transition."""
+    """Workers by URL. `on_eject(worker)` is called once per healthy -> ejected transition, `on_remove(worker)`
+    when a worker leaves the registry."""
 
-    def __init__(self, health_failures: int, on_eject=None, on_admit=None) -> None:
+    def __init__(self, health_failures: int, on_eject=None, on_admit=None, on_remove=None) -> None:
         self._workers: dict[str, Worker] = {}
         self._health_failures = health_failures
         self._on_eject = on_eject
         self._on_admit = on_admit
+        self._on_remove = on_remove
         self._changed: asyncio.Event | None = None  # set (then replaced) on every success, for waiters
 
     def add(self, spec: WorkerSpec, source: str = "static") -> Worker:
@@ -86,6 +88,8 @@ class Registry:
         w = self._workers.pop(url.rstrip("/"), None)
         if w is not None:
             log.info("worker removed: %s %s", w.role, w.url)
+            if self._on_remove:
+                self._on_remove(w)
         return w
 
     def get(self, url: str) -> Worker | None:

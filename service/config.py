@@ -33,6 +33,7 @@ from transfer.config import TransferConfig
 ROLES = ("colocated", "prefill", "decode")
 PD_ROLES = ("prefill", "decode")
 SERVER = Group("server")
+KV_EVENTS = Group("kv cache events", "vLLM-format KV cache events for KV-aware routers (docs/kv_events.md)")
 TRANSFER = Group("prefill/decode transfer")
 
 
@@ -152,6 +153,21 @@ class ServerConfig:
         "computes or moves KV for anyone; waits with their own bound (--queue-timeout, --bootstrap-timeout, "
         "--waiting-timeout) end by it first when shorter. 0: off", name="--watchdog-timeout")
 
+    kv_events_endpoint: str = option(
+        "", "publish KV cache events (BlockStored / BlockRemoved / AllBlocksCleared, vLLM's wire format) on a zmq "
+        "PUB socket here: binds when the address holds * (tcp://*:5557; tcp://127.0.0.1:* picks a free port), "
+        "connects otherwise, as vLLM's --kv-events-config endpoint. Off by default", group=KV_EVENTS)
+    kv_events_replay_endpoint: str = option(
+        "", "zmq ROUTER address (bound) where a subscriber that missed batches asks for them again by sequence "
+        "number (\"\": no replay)", group=KV_EVENTS)
+    kv_events_topic: str = option("", "topic frame of every KV events message", group=KV_EVENTS)
+    kv_events_encoding: str = option(
+        "array", "each event as a positional array (vLLM's array_like structs, which every consumer decodes) or as a "
+        "map with a 'type' key (vLLM since its PR #42892)", group=KV_EVENTS, choices=("array", "map"))
+    kv_events_queue_size: int = option(
+        100_000, "KV events the scheduler may queue ahead of the publisher thread; beyond it an event is dropped and "
+        "counted in pdserve_worker_kv_events_dropped_total", group=KV_EVENTS)
+
     @property
     def endpoints(self) -> Endpoints:
         """The frontend<->worker channel addresses (ValueError until the launcher sets ipc_dir)."""
@@ -172,6 +188,12 @@ class ServerConfig:
             raise ValueError("--drain-grace must be >= 0")
         if self.watchdog_timeout_s < 0:
             raise ValueError("--watchdog-timeout must be >= 0 (0: off)")
+        if self.kv_events_encoding not in ("array", "map"):
+            raise ValueError(f"--kv-events-encoding must be array or map, got {self.kv_events_encoding!r}")
+        if self.kv_events_queue_size < 1:
+            raise ValueError("--kv-events-queue-size must be >= 1")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
 
 
 def server_specs(role: str, default: Any = FIELD) -> list[Spec]:  # noqa: ANN401

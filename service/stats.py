@@ -68,6 +68,7 @@ class Counters:
     queue_rejected: int | None = None
     queue_timed_out: int | None = None
     rooms_kept_queued: int | None = None
+    kv_events_dropped: int | None = None  # KV cache events dropped on a full queue (--kv-events-endpoint)
 
     def present(self) -> dict[str, int]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}

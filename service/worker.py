@@ -26,7 +26,7 @@ from engine.forward.model_runner import ModelRunner
 from engine.kvcache.kv_manager import KVManager
 from engine.request import FinishReason, LogprobState, Req
 from engine.scheduling.parallel import add_choices
-from service import embeddings, lora
+from service import embeddings, kv_events, lora
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
@@ -136,14 +136,14 @@ class Dispatch:
     role's steps; a control message (stats, flush, embeddings, LoRA) is answered at once (`reply`)."""
 
     def __init__(self, cfg: ServerConfig, role: Role, info: dict, reply: Callable[[Reply], None],
-                 watchdog: Watchdog | None = None) -> None:
+                 watchdog: Watchdog | None = None, events: kv_events.ZmqEventPublisher | None = None) -> None:
         self.reply = reply
         self.table: dict[type, Callable[[Any], list[m.TokenOut]]] = {}
         self.on(m.GenerateReq, role.add)
         self.on(m.AbortReq, _reported_later(role.abort))
         self.on(m.CloseSessionReq, _reported_later(lambda msg: role.close_session(msg.session_id)))
         self.answer(m.StatsReq, lambda msg: m.StatsOut(token=msg.token, info=info,
-                                                       stats=_stats(role, watchdog)))
+                                                       stats=_stats(role, watchdog, events)))
         self.answer(m.FlushCacheReq, lambda msg: flush_cache(role, msg.token))
         chunk = cfg.engine.chunked_prefill_size  # service/embeddings.py: one forward per input, now
         self.answer(m.EmbedReq, lambda msg: embeddings.handle_worker(role, msg, chunk))
@@ -171,12 +171,18 @@ class Dispatch:
         return outs
 
 
-def _stats(role: Role, watchdog: Watchdog | None) -> WorkerStats:
-    """The role's stats, stamped with the worker's clock and the watchdog's count."""
+def _stats(role: Role, watchdog: Watchdog | None, events: kv_events.ZmqEventPublisher | None = None) -> WorkerStats:
+    """The role's stats, stamped with the worker's clock, the watchdog's and the KV events' drop counts."""
     s = replace(role.stats(), time=time.time())
     if watchdog is not None:
         s.counters = replace(s.counters, watchdog_ended=watchdog.ended)
+    if events is not None:
+        s.counters = replace(s.counters, kv_events_dropped=events.recorder.dropped)
     return s
+
+
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
 def _reported_later(call: Callable[[Msg], object]) -> Callable[[Msg], list[m.TokenOut]]:
@@ -201,7 +207,10 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
     spawner = mp.parent_process()
     parent = spawner.pid if spawner is not None else os.getppid()
     watchdog = Watchdog(cfg.watchdog_timeout_s)
-    dispatch = Dispatch(cfg, role, info, io.outbox.send, watchdog)
+    events = kv_events.start(cfg, role.kv)  # None: --kv-events-endpoint off (docs/kv_events.md)
+    if events is not None:
+        info = {**info, **events.info(info.get("advertise_host") or _reachable(cfg.host))}
+    dispatch = Dispatch(cfg, role, info, io.outbox.send, watchdog, events)
     io.outbox.send(m.StatsOut(token=-1, info={**info, "ready": True}))
     log.info("worker ready: %s", {k: info[k] for k in ("role", "model_path", "max_total_tokens") if k in info})
     try:
@@ -215,5 +224,7 @@ def run_loop(cfg: ServerConfig, role: Role, info: dict) -> None:
                 io.outbox.send(m.TokenBatch(outs=outs))  # report
     finally:
         role.close()
+        if events is not None:
+            events.close()
         io.close()
         tracing.shutdown()

@@ -19,6 +19,10 @@ its device page (`page` -1): it then stays in the tree, reachable by `match_len`
 at it (only device pages are handed out). Device residence is prefix-closed (a node on the device
 has its parent on the device), and `insert` gives a host-only node the inserting request's device
 page. Without tiers every node holds a device page and `host` stays -1.
+
+Events (engine/kvcache/events, docs/kv_events.md): with `events` set (a KVEventRecorder), every page the
+tree gains or loses on a medium is reported (`_stored`, `_removed`: "GPU" here, "CPU" for the host tier)
+and a flush that empties the tree reports it cleared.
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 class Node:
-    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash")
+    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash", "block_hash")
 
     def __init__(self, parent: Node | None, key: tuple, page: int) -> None:
         self.parent = parent
@@ -41,6 +45,7 @@ class Node:
         self.last_access = 0
         self.host = -1  # host-tier page holding a copy (engine/kvcache/hicache; -1: none)
         self.hash: bytes | None = None  # chained page hash (disk tier key), computed on first use
+        self.block_hash: int | None = None  # KV event block hash (engine/kvcache/events), set when first reported
 
 
 class Match(NamedTuple):
@@ -48,8 +53,19 @@ class Match(NamedTuple):
     node: Node  # deepest matched node (the root when nothing matched): what a request locks
 
 
+class TreeEvents(Protocol):
+    """Where a tree reports its changes (engine.kvcache.events.KVEventRecorder); calls must not block."""
+
+    def stored(self, nodes: list[Node], medium: str) -> None: ...
+    def removed(self, nodes: list[Node], medium: str) -> None: ...
+    def cleared(self) -> None: ...
+
+
+GPU, CPU = "GPU", "CPU"  # media of KV events: the device tier, the host tier (vLLM's names)
+
+
 class RadixCache:
-    """`free_pages(pages)` hands evicted pages back to the allocator."""
+    """`free_pages(pages)` hands evicted pages back to the allocator; `events` (None: off) hears every change."""
 
     def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
         self.page_size = page_size
@@ -60,6 +76,15 @@ class RadixCache:
         self.evictable_pages = 0
         self.evicted_pages = 0  # counter: pages evicted since start
         self._clock = itertools.count(1)
+        self.events: TreeEvents | None = None
+
+    def _stored(self, nodes: list[Node], medium: str = GPU) -> None:
+        if self.events is not None and nodes:
+            self.events.stored(nodes, medium)
+
+    def _removed(self, nodes: list[Node], medium: str = GPU) -> None:
+        if self.events is not None and nodes:
+            self.events.removed(nodes, medium)
 
     # ---- lookup -------------------------------------------------------------------------------
     def _keys(self, ids: list[int], max_tokens: int, namespace: str = "") -> list[tuple]:
@@ -117,7 +142,7 @@ class RadixCache:
         every page it did not hold; a page it already holds under another id is a duplicate and is
         returned for the caller to free, when i >= owned_from (pages before it are the tree's own,
         matched earlier). Returns (deepest node, duplicates)."""
-        node, dup, now = self.root, [], next(self._clock)
+        node, dup, now, new = self.root, [], next(self._clock), []
         for i, key in enumerate(self._keys(ids, len(pages) * self.page_size, namespace)):
             child = node.children.get(key)
             if child is None:
@@ -126,15 +151,18 @@ class RadixCache:
                 node.children[key] = child
                 self.cached_pages += 1
                 self.evictable_pages += 1
+                new.append(child)
             elif child.page < 0:  # a host-only node (tiers): it takes this device page
                 assert i >= owned_from, "a matched page is not on the device"
                 child.page = pages[i]
                 self.cached_pages += 1
                 self.evictable_pages += 1
+                new.append(child)
             elif child.page != pages[i] and i >= owned_from:
                 dup.append(pages[i])
             child.last_access = now
             node = child
+        self._stored(new)
         return node, dup
 
     # ---- eviction -----------------------------------------------------------------------------
@@ -146,14 +174,17 @@ class RadixCache:
         heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        gone: list[Node] = []
         while heap and len(freed) < n:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
             del parent.children[leaf.key]
             freed.append(leaf.page)
+            gone.append(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        self._removed(gone)
         self.cached_pages -= len(freed)
         self.evictable_pages -= len(freed)
         self.evicted_pages += len(freed)
@@ -161,8 +192,14 @@ class RadixCache:
         return len(freed)
 
     def flush(self) -> int:
-        """Evict everything unlocked; returns pages freed."""
-        return self.evict(self.evictable_pages)
+        """Evict everything unlocked (reported cleared when nothing is left); returns pages freed."""
+        freed = self.evict(self.evictable_pages)
+        self._flushed()
+        return freed
+
+    def _flushed(self) -> None:
+        if self.events is not None and not self.root.children:
+            self.events.cleared()
 
     def _leaves(self) -> list[Node]:
         out, stack = [], [self.root]

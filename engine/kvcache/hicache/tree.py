@@ -19,6 +19,10 @@ host stretch, then pages found on disk by their chained hash (they have no node)
   nothing, so a waiting request does not churn copies every step).
 - `flush` empties every tier.
 
+Events (engine/kvcache/events): device pages are reported on medium "GPU", host copies on "CPU" (a
+device eviction that keeps a host copy: removed from GPU, stored on CPU; a load: stored on GPU); the
+disk tier is not reported.
+
 Counters: `cached_pages`/`evictable_pages` count device pages (as without tiers); per tier stats
 in `tier_stats` (hit tokens, loaded bytes, load seconds, evictions, bytes in use).
 """
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from engine.kvcache.hicache.disk import DiskTier, chain
 from engine.kvcache.hicache.host import HostTier
 from engine.kvcache.memory import PageAllocator
-from engine.kvcache.radix_cache import Match, Node, RadixCache
+from engine.kvcache.radix_cache import CPU, Match, Node, RadixCache
 
 TIERS = ("device", "host", "disk")
 
@@ -120,6 +124,7 @@ class HiRadixCache(RadixCache):
         now = next(self._clock)
         for h, p in zip(hosted, pages):
             h.page, h.last_access = p, now
+        self._stored(hosted)
         self.cached_pages += len(pages)
         self.evictable_pages += len(pages)
         self.hits["host"] += len(pages) * self.page_size
@@ -129,7 +134,7 @@ class HiRadixCache(RadixCache):
     def _load_disk(self, node: Node, keys: list[tuple], hashes: list[bytes], pages: list[int]) -> tuple[Node, int]:
         """Read disk pages into `pages` as new device nodes under `node`, stopping at the first miss."""
         assert len(hashes) <= len(keys)
-        t0, used, now = time.perf_counter(), 0, next(self._clock)
+        t0, used, now, new = time.perf_counter(), 0, next(self._clock), []
         for key, h, p in zip(keys, hashes, pages):
             data = self.disk.get(h, self.host.page_bytes)  # type: ignore[union-attr]
             if data is None:
@@ -139,6 +144,8 @@ class HiRadixCache(RadixCache):
             child.hash, child.last_access = h, now
             node.children[key] = child
             node, used = child, used + 1
+            new.append(child)
+        self._stored(new)
         if hashes:
             self.load_seconds["disk"] += time.perf_counter() - t0
         self.cached_pages += used
@@ -170,6 +177,7 @@ class HiRadixCache(RadixCache):
         self.host.store([n.page for n in kept], host)
         for n, h in zip(kept, host):
             n.host = h
+        self._stored(kept, CPU)
         return left
 
     # ---- eviction -----------------------------------------------------------------------------
@@ -187,6 +195,7 @@ class HiRadixCache(RadixCache):
         freed = [v.page for v in victims]
         for v in victims:
             v.page = -1
+        self._removed(victims)
         self.cached_pages -= len(victims)
         self.evictable_pages -= len(victims)
         self.evicted_pages += len(victims)
@@ -238,6 +247,7 @@ class HiRadixCache(RadixCache):
             if x.page >= 0:  # still on the device: only its host copy goes
                 alloc.free([x.host])
                 x.host = -1
+                self._removed([x], CPU)
                 continue
             self._spill_to_disk(x)
             p = x.parent
@@ -259,7 +269,7 @@ class HiRadixCache(RadixCache):
         removed node's parent becomes None (it is gone)."""
         assert node.parent is not None
         del node.parent.children[node.key]
-        dev, host, stack = [], [], [node]
+        dev, host, stack, on_dev, on_host = [], [], [node], [], []
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())
@@ -267,8 +277,12 @@ class HiRadixCache(RadixCache):
             assert x.lock_ref == 0, "dropping a locked node"
             if x.page >= 0:
                 dev.append(x.page)
+                on_dev.append(x)
             if x.host >= 0:
                 host.append(x.host)
+                on_host.append(x)
+        self._removed(on_dev)
+        self._removed(on_host, CPU)
         self.cached_pages -= len(dev)
         self.evictable_pages -= len(dev)
         self.evicted_pages += len(dev)
@@ -299,9 +313,11 @@ class HiRadixCache(RadixCache):
                     if c.host >= 0:
                         self.host.allocator.free([c.host])
                         c.host = -1
+                        self._removed([c], CPU)
                     stack.append(c)
         if self.disk is not None:
             self.disk.clear()
+        self._flushed()
         return before - self.cached_pages
 
     # ---- stats --------------------------------------------------------------------------------
