@@ -21,6 +21,7 @@ from pd_harness import call, info, start_service
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.kvcache.events import block_hashes  # noqa: E402
+from tests.kv_events_client import replay  # noqa: E402
 from tests.stub_worker import make_tokenizer_dir  # noqa: E402
 from tests.tiny_model import make_tiny_model  # noqa: E402
 
@@ -63,23 +64,6 @@ def _recv_until(sub: zmq.Socket, tag: str, timeout: float = 20.0) -> list[tuple[
     raise AssertionError(f"no {tag} within {timeout} s: {[_events(p) for _, p in got]}")
 
 
-def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.linger = 0
-    s.connect(endpoint)
-    try:
-        s.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            assert s.poll(10_000), "no replay answer"
-            _, seq, payload = s.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                return out
-            out.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        s.close()
-
-
 def test_events_stream_then_replay(colo) -> None:  # noqa: ANN001
     where = info(colo)["kv_events"]
     assert where["topic"] == "kv" and where["encoding"] == "array" and where["block_size"] == PAGE
@@ -105,7 +89,7 @@ def test_events_stream_then_replay(colo) -> None:  # noqa: ANN001
         sub.close()
     seqs = [s for s, _ in live]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gap
-    caught_up = _replay(where["replay_endpoint"], 0)  # a subscriber that joins late
+    caught_up = replay(where["replay_endpoint"], 0)  # a subscriber that joins late
     assert [x for x in caught_up if x[0] >= seqs[0]] == live
     assert any(e[0] == "AllBlocksCleared" for _, p in caught_up for e in _events(p))
     metrics = httpx.get(colo.url + "/metrics", timeout=10).text

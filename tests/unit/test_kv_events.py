@@ -36,7 +36,8 @@ from engine.kvcache.memory import HostKVPool, KVPool
 from engine.kvcache.radix_cache import Node, RadixCache
 from engine.request import Req
 from engine.sampling.params import SamplingParams
-from service.kv_events import END_SEQ, ZmqEventPublisher, encode_batch
+from service.kv_events import ZmqEventPublisher, encode_batch
+from tests.kv_events_client import replay
 
 PS = 4
 
@@ -264,26 +265,6 @@ def _hashed(h: int) -> Node:
     return n
 
 
-def _replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)  # as a REQ client frames it: empty delimiter, then the start sequence
-    s.linger = 0
-    s.connect(endpoint)
-    try:
-        s.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            assert s.poll(5000), "no replay answer"
-            empty, seq, payload = s.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert payload == b""
-                return out
-            out.append((int.from_bytes(seq, "big"), payload))
-    finally:
-        s.close()
-
-
 def test_pub_frames_and_replay_from_a_sequence() -> None:
     rec = KVEventRecorder(PS)
     pub = ZmqEventPublisher(rec, "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv", buffer_batches=4)
@@ -302,12 +283,12 @@ def test_pub_frames_and_replay_from_a_sequence() -> None:
         assert events[0]["type"] == "BlockRemoved"
         first = pub.seq
         _publish(pub, rec, 3)
-        got = _replay(pub.replay_endpoint, first + 1)
+        got = replay(pub.replay_endpoint, first + 1)
         assert [s for s, _ in got] == [first + 1, first + 2]
         assert [decode_batch(p)[1][0]["block_hashes"] for _, p in got] == [[1], [2]]
-        got = _replay(pub.replay_endpoint, 0)  # the buffer keeps the last 4 batches
+        got = replay(pub.replay_endpoint, 0)  # the buffer keeps the last 4 batches
         assert [s for s, _ in got] == list(range(pub.seq - 4, pub.seq))
-        assert _replay(pub.replay_endpoint, pub.seq) == []  # nothing missed: the end marker alone
+        assert replay(pub.replay_endpoint, pub.seq) == []  # nothing missed: the end marker alone
     finally:
         sub.close()
         pub.close()
