@@ -65,6 +65,11 @@ class ModelRunner:
         self.model_path: Path = resolve_model_path(cfg.model)
         self.model_cfg = ModelConfig.from_dir(self.model_path)
         mc = self.model_cfg
+        if cfg.hicache_host_tokens and mc.max_window:  # never a flag that silently does nothing
+            raise ValueError(f"{self.model_path}: --hicache-host-tokens keeps prefix-cache pages on the host, but "
+                             f"this model attends through a sliding window ({mc.max_window} tokens) in every layer and "
+                             "runs without a prefix cache (a page is freed once it leaves the window); drop "
+                             "--hicache-host-tokens")
         self.context_length = cfg.context_length or mc.max_position
         self.device = torch.device(shard.device or cfg.device)
         self.dtype = DTYPES[cfg.dtype]

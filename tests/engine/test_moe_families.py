@@ -160,6 +160,22 @@ def test_unsupported_fields_are_refused_by_name(kind, field, value, tmp_path):
         ModelConfig.from_dir(tmp_path)
 
 
+def test_a_lora_adapter_on_the_experts_is_refused_by_name(tmp_path):
+    """An adapter targeting the MLP of an MoE model says why it cannot be served (not a missing weight)."""
+    import transformers
+
+    from engine.extras.lora.adapter import load_adapter
+
+    cfg_name, _, fields = FAMILIES["qwen2_moe"]
+    (tmp_path / "config.json").write_text(getattr(transformers, cfg_name)(**(BASE | fields)).to_json_string())
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8,
+                                                             "target_modules": ["q_proj", "gate_proj"]}))
+    with pytest.raises(ValueError, match=r"\['gate_proj'\] are the MLP of a mixture-of-experts model"):
+        load_adapter("moe-mlp", adapter, ModelConfig.from_dir(tmp_path), max_rank=16)
+
+
 # ---- one real PD stack through the router ---------------------------------------------------------
 
 def _integration_helpers() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
+from engine.kvcache.hicache import HiRadixCache
 from engine.models.embedded import embedded_model_dir
 from engine.sampling.params import SamplingParams
 from tests.hf_oracle import hf_greedy
@@ -170,3 +171,16 @@ def test_retraction_with_freed_pages_reloads_exactly(swa_model):
     assert all(dropped > 0 for _, dropped in retracted) == (0 not in windows)
     assert [r.output_ids for r in reqs] == hf_greedy(hf, prompts, 40)
     assert sched.kv.all_free()
+
+
+def test_the_host_tier_is_refused_where_no_layer_sees_everything(swa_model):
+    """A windowed model runs without a prefix cache, so a host tier under it would do nothing: refused at
+    start-up by name. With one full-attention layer (qwen2 here) the cache and its host tier run."""
+    path, _, windows = swa_model
+    cfg = EngineConfig(model=str(path), max_total_tokens=1024, page_size=16, prefix_cache=True,
+                       hicache_host_tokens=256)
+    if 0 in windows:
+        assert isinstance(LLM(cfg).scheduler.kv.cache, HiRadixCache)
+    else:
+        with pytest.raises(ValueError, match="--hicache-host-tokens.*sliding window"):
+            LLM(cfg)

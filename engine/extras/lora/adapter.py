@@ -112,6 +112,11 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, t
         raise ValueError(f"adapter {name!r}: rank r={r} exceeds --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
     targets = target_list(raw)
+    mlp = [t for t in targets if t in MLP]
+    if cfg.moe is not None and mlp:
+        raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a mixture-of-experts model "
+                         f"(model_type {cfg.model_type!r}, {cfg.moe.num_experts} experts): LoRA on the experts is not "
+                         f"supported; an adapter for this model may target only {list(ATTN)}")
     tensors = _tensors(p)
     shares = _shares(cfg, tp)
     out = LoRAAdapter(name, str(path), r, targets)
