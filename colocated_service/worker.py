@@ -93,6 +93,6 @@ def run_colocated_worker(cfg: ServerConfig,
     under --tp N; tests pass a slowed one)."""
     setup_process(cfg)
     runner = make_runner(cfg.engine)
-    role = ColocatedRole(cfg.engine, runner, KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window,
-                                                          cfg.engine.prefix_cache, spec_for_server(cfg)))
+    role = ColocatedRole(cfg.engine, runner, KVManager.for_runner(runner, cfg.engine.prefix_cache,
+                                                                     spec_for_server(cfg)))
     run_loop(cfg, role, {"role": "colocated", **runner.server_info()})

@@ -65,7 +65,7 @@ from engine.scheduling.scheduler import Scheduler
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import PDConfig, ServerConfig
-from service.pd import TransferStats, make_transfer_manager, pd_request, scatters_kv, transfer_error
+from service.pd import StateWire, TransferStats, make_transfer_manager, pd_request, scatters_kv, transfer_error
 from service.stats import WorkerStats
 from service.tracing import scheduler_hook
 from service.watchdog import QUEUED, WAITING_KV, Progress, scheduler_progress
@@ -105,6 +105,8 @@ class DecodeRole:
         self.prealloc: deque[Req] = deque()
         self.transfer: dict[int, tuple[Req, KVReceiver, float]] = {}  # room -> (req, receiver, start)
         self.staged = scatters_kv(runner)  # TP > 1: received pages are scattered to the ranks' pools
+        self.wire = StateWire(runner)  # hybrid models: the prompt's state lands in pages after its KV
+        self.landing: dict[int, list[int]] = {}  # room -> the pages its state lands in (freed once copied)
         self.tstats = TransferStats()
         self.whole: set[int] = set()  # rooms whose prefill refused our cached prefix: no reuse
         self.reuse = {"pages": 0, "refused": 0}  # pages not transferred thanks to reuse; refusals
@@ -268,7 +270,8 @@ class DecodeRole:
         """The admission rule (KVManager.can_admit) for a whole prompt's KV now: its pages from the
         window's start on, less the cached prefix it already holds, plus its forks' pages."""
         n = r.num_prompt_tokens
-        need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.kv.shared_pages) + self._fork_pages(r)
+        need = pages_for(n, self.kv.page_size) - max(self.kv.window_start(n), r.kv.shared_pages) + \
+            self._fork_pages(r) + self.wire.pages
         return self.kv.can_admit(r, need, self._reserved_pages(), self.cfg.new_token_ratio, busy)
 
     def _busy(self) -> bool:
@@ -323,11 +326,14 @@ class DecodeRole:
         skip = len(kv.pages)  # pages not transferred: outside the window, or cached here
         need = pages_for(n, self.kv.page_size) - skip
         kv.pages = kv.pages + self.kv.allocate(need)
+        self.kv.take_slots(r)  # hybrid models: r's state slot (and its choices'), filled from the landing pages
+        landing = self.landing[r.pd.room] = self.kv.allocate(self.wire.pages)  # type: ignore[index]
         cached = r.token_ids[: kv.shared_pages * self.kv.page_size]
         try:
-            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:], cached, staged=self.staged,
-                                          namespace=r.cache_namespace)
+            rx = self.mgr.create_receiver(r.pd.room, r.pd.addr, kv.pages[skip:] + landing, cached,
+                                          staged=self.staged, namespace=r.cache_namespace)
         except (TransferError, ValueError) as e:
+            self._free_landing(r.pd.room)  # type: ignore[arg-type]
             code = int(e.code) if isinstance(e, TransferError) else 400
             self._end_queued(r, FinishReason.ERROR, getattr(e, "message", str(e)), code)
             return
@@ -346,6 +352,8 @@ class DecodeRole:
                 self._ask_whole(room)
             elif st == KVPoll.SUCCESS:
                 meta = rx.metadata or {}
+                if self.landing.get(room):
+                    self.wire.land(r, self.landing[room])
                 self._drop_transfer(room, keep_pages=True)
                 self.reuse["pages"] += r.kv.shared_pages
                 nbytes = (len(r.kv.pages) - max(r.kv.dropped_pages, r.kv.shared_pages)) * self.page_bytes
@@ -365,6 +373,7 @@ class DecodeRole:
         reserved for the rest, drop the lock, and ask again at the head of prealloc, for every page.
         Nothing was received, so no wrong KV can remain."""
         r, rx, _ = self.transfer.pop(room)
+        self._free_landing(room)
         log.warning("rid=%s room=%d: %s; asking for the whole prompt", r.rid, room,
                     rx.error.message if rx.error else "cached prefix refused")
         rx.release()
@@ -407,8 +416,14 @@ class DecodeRole:
         from_meta(r.features, meta)  # hidden states, token_ids_logprob (engine.extras.features)
         self.sched.join_running(r)  # n > 1: the choices fork r's KV first
 
+    def _free_landing(self, room: int) -> None:
+        landing = self.landing.pop(room, None)
+        if landing:
+            self.kv.pool.allocator.free(landing)
+
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:
         r, rx, _ = self.transfer.pop(room)
+        self._free_landing(room)
         rx.release()
         if not keep_pages:
             self.kv.release(r)
@@ -474,8 +489,7 @@ def run_decode_worker(cfg: ServerConfig,
     setup_process(cfg)
     runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "decode")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
-                   spec_for_server(cfg))
+    kv = KVManager.for_runner(runner, cfg.engine.prefix_cache, spec_for_server(cfg))
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,
                       local_budget=cfg.pd.local_prefill_budget, local_max_queued=cfg.pd.local_prefill_max_queued,
                       local_max_running=cfg.pd.local_prefill_max_running, max_queued=cfg.pd.max_queued_requests,

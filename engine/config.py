@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.checks import need
 from common.configs import Group, nested, option
@@ -142,6 +143,23 @@ class ModelConfig:
     moe: MoESpec | None = None  # None: every layer's MLP is dense
     o_bias: bool = False  # o_proj has a bias (Llama/Qwen3 `attention_bias`; Qwen2 biases q/k/v only)
     mla: MLASpec | None = None  # DeepSeek's latent attention: the pool caches one latent per token and layer
+    # hybrid models (engine/recurrent/): the layers with attention, the only ones the KV pool holds; () = every layer
+    attention_layers: tuple[int, ...] = ()
+    hybrid: Any = None  # the family's spec of its recurrent layers (engine/models/qwen3_next.py, nemotron_h.py, ...)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers the KV pool holds (a hybrid model's recurrent layers keep a state slot instead)."""
+        return len(self.attention_layers) if self.attention_layers else self.num_layers
+
+    def kv_index(self, layer: int) -> int:
+        """Layer `layer`'s index in the KV pool (its rank among the attention layers)."""
+        if not self.attention_layers:
+            return layer
+        try:
+            return self.attention_layers.index(layer)
+        except ValueError:
+            raise ValueError(f"layer {layer} has no attention (attention layers: {self.attention_layers})") from None
 
     def window(self, layer: int) -> int:
         """Layer's attention window in tokens, 0 for full causal attention."""
@@ -233,6 +251,10 @@ class EngineConfig:
     chunked_prefill_size: int = option(512, "max prompt tokens of one request per extend step", group=MODEL)
     max_prefill_tokens: int = option(2048, "token budget of one extend batch", group=MODEL)
     max_running_requests: int = option(64, "max requests in the running batch", group=MODEL)
+    max_state_slots: int = option(0, "recurrent-state slots of a hybrid model (Qwen3-Next, Nemotron-H, ...): one per "
+                                  "running request, each holding every recurrent layer's state (its size is logged "
+                                  "at start-up and reported in /server_info); 0 = --max-running-requests. Ignored "
+                                  "for attention-only models", group=MODEL)
     context_length: int = option(0, "max prompt+output tokens (0: the model's)", group=MODEL)
     attention_backend: str = option(
         "auto", "attention kernels. auto: triton on cuda; cpu for float32 on a CPU, else torch. cpu: native C "
@@ -338,6 +360,7 @@ class EngineConfig:
         need(self.chunked_prefill_size >= 1, "--chunked-prefill-size must be >= 1")
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
+        need(self.max_state_slots >= 0, "--max-state-slots must be >= 0")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),

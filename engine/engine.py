@@ -76,11 +76,14 @@ class LLM:
     def prompt_logits(self, ids: list[int], chunk: int | None = None) -> torch.Tensor:
         """Teacher-forced fp32 logits [n, V] for a prompt, computed in chunks over the paged cache."""
         chunk = chunk or self.cfg.chunked_prefill_size
-        alloc = self.runner.pool.allocator
+        alloc, states = self.runner.pool.allocator, self.runner.states
         pages = alloc.allocate(pages_for(len(ids), self.runner.page_size))
+        slot = -1 if states is None else states.allocate(1)[0]  # a hybrid model's recurrent state
         try:
-            out = [forward_segments(self.runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_ALL)]).logits[0]
-                   for s in range(0, len(ids), chunk)]
+            out = [forward_segments(self.runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_ALL, slot=slot)]
+                                    ).logits[0] for s in range(0, len(ids), chunk)]
         finally:
             alloc.free(pages)
+            if states is not None:
+                states.free([slot])
         return torch.cat(out)  # type: ignore[arg-type]

@@ -67,6 +67,9 @@ class KVState:
     prefix_node: Node | None = None
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (reported as usage)
     retractions: int = 0
+    # hybrid models (engine/recurrent/state_pool.py): the recurrent-state slot, valid at kv_len tokens
+    state_slot: int = -1  # -1: none held
+    host_state: Any = None  # torch uint8 [slot bytes]: the state's host copy while retracted
 
 
 @dataclass

@@ -34,6 +34,7 @@ class SchedulerStats:
     kv_used_tokens: int = 0  # level
     kv_total_tokens: int = 0  # level (constant: the pool's size)
     host_kv_used_pages: int = 0  # level: pages of the host (offload) pool in use
+    state_slots_used: int | None = None  # level: hybrid models' recurrent-state slots in use (None: no state pool)
     retractions: int = 0  # total
     reloads: int = 0  # total: retracted requests whose KV came back from the host pool
     forward_tokens: int = 0  # total: tokens run through the model

@@ -60,7 +60,7 @@ from engine.scheduling.scheduler import make_executor
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
-from service.pd import TransferStats, gathers_kv, make_transfer_manager, pd_request, transfer_error
+from service.pd import StateWire, TransferStats, gathers_kv, make_transfer_manager, pd_request, transfer_error
 from service.stats import Counters, KVStats, WorkerStats
 from service.watchdog import PREFILL, SENDING_KV, WAITING_DECODE, Progress
 from service.worker import error_out, run_loop, setup_process, token_out
@@ -88,6 +88,7 @@ class PrefillRole:
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
         self.page_bytes = mgr.wire_page_bytes  # all KV heads (a TP > 1 rank 0 holds fewer)
         self.gather = gathers_kv(runner)  # TP > 1: chunks are gathered from the ranks into full pages
+        self.wire = StateWire(runner)  # hybrid models: the prompt's final state follows its last page
         self.bootstrap: list[Room] = []
         self.waiting: deque[Room] = deque()
         self.inflight: list[Room] = []
@@ -216,6 +217,8 @@ class PrefillRole:
         """Queue pages for the room's decode; TP > 1: gathered from every rank into full wire pages
         first (a collective, here on the worker thread, never on the transfer progress thread)."""
         data = gather(self.runner, pages) if self.gather and pages else None
+        if is_last:
+            pages, data = self.wire.with_state(room.req, pages, data)
         room.sender.send(pages, is_last, meta, data=data)
 
     def _poll_inflight(self) -> None:
@@ -268,7 +271,8 @@ class PrefillRole:
             # their decode wait for its memory, not for this pool's compute
             queued_prompt_tokens=sum(room.req.num_prompt_tokens - room.req.kv.kv_len
                                      for room in (*self.bootstrap, *self.waiting) if not room.sender.queued_at),
-            kv=KVStats(used_tokens=self.kv.used_tokens, total_tokens=self.kv.pool.total_tokens),
+            kv=KVStats(used_tokens=self.kv.used_tokens, total_tokens=self.kv.pool.total_tokens,
+                       state_slots_used=None if self.kv.states is None else self.kv.states.num_used),
             active_rooms=self.mgr.active_rooms(),
             counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined,
                               rooms_kept_queued=link.kept_queued),
@@ -327,8 +331,7 @@ def run_prefill_worker(cfg: ServerConfig,
     setup_process(cfg)
     runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
-    kv = KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.engine.prefix_cache,
-                   spec_for_server(cfg))
+    kv = KVManager.for_runner(runner, cfg.engine.prefix_cache, spec_for_server(cfg))
     role = PrefillRole(cfg.engine, runner, kv, mgr)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}

@@ -92,21 +92,25 @@ def pool(hidden: torch.Tensor, pooling: str, dimensions: int) -> list[float]:
 def embed_one(runner: Any, kv: Any, ids: list[int], chunk: int) -> torch.Tensor:
     """Final hidden states fp32 [len(ids), H] of one input, over pages freed before returning."""
     pages = kv.allocate(pages_for(len(ids), kv.page_size))
+    states = getattr(kv, "states", None)
+    slot = -1 if states is None else states.allocate(1)[0]  # a hybrid model's recurrent state
     try:
         rows = []
         for s in range(0, len(ids), chunk):
-            out = forward_segments(runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_NONE, 0, (CAPTURE,))])
+            out = forward_segments(runner, [Segment(pages, s, ids[s : s + chunk], LOGITS_NONE, 0, (CAPTURE,), slot)])
             rows.append(out.hidden[0])  # type: ignore[index]
         return torch.cat(rows)
     finally:
         kv.pool.allocator.free(pages)
+        if states is not None:
+            states.free([slot])
 
 
 def handle_worker(role: Any, msg: EmbedReq, chunk: int) -> EmbedOut:
     """The worker's answer to an EmbedReq (an error answer when the KV pool cannot hold an input now)."""
     kv, data = role.kv, []
     for ids in msg.inputs:
-        if pages_for(len(ids), kv.page_size) > kv.free_pages:
+        if pages_for(len(ids), kv.page_size) > kv.free_pages or not kv.slots_free_for_scratch():
             return EmbedOut(msg.token, [], f"an input of {len(ids)} tokens does not fit the free KV pages now; "
                             "retry later", 503)
         data.append(pool(embed_one(role.runner, kv, ids, max(1, chunk)), msg.pooling, msg.dimensions))

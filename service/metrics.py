@@ -43,7 +43,8 @@ __all__ = ["CONTENT_TYPE", "INFO_GAUGES", "WORKER_METRICS", "FrontendMetrics", "
 PREFIX = "pdserve_worker_"
 # numbers of the worker's static description exported as gauges pdserve_worker_<key>
 INFO_GAUGES = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "context_length", "page_size",
-               "max_total_tokens", "host_kv_tokens", "kv_bytes_per_token", "bootstrap_port")
+               "max_total_tokens", "host_kv_tokens", "kv_bytes_per_token", "bootstrap_port", "state_slots",
+               "state_bytes_per_slot")
 
 Value = float | dict[str, float] | Histo | None
 
@@ -143,6 +144,8 @@ WORKER_METRICS: tuple[WorkerMetric, ...] = (
     _gauge("kv_used_tokens", "KV pool tokens in use", lambda s: s.kv.used_tokens),
     _gauge("kv_total_tokens", "KV pool size in tokens", lambda s: s.kv.total_tokens),
     _gauge("host_kv_used_pages", "host (offload) KV pool pages in use", lambda s: s.kv.host_used_pages),
+    _gauge("state_slots_used", "hybrid models: recurrent-state slots in use (one per running request; "
+           "their number is state_slots in /server_info)", lambda s: s.kv.state_slots_used),
     _gauge("kv_usage", "decode: share of the KV pool in use (0..1), an autoscaling signal", lambda s: s.kv.usage),
     _gauge("queued_prompt_tokens", "prefill: prompt tokens still to prefill, an autoscaling signal",
            lambda s: s.queued_prompt_tokens),

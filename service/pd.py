@@ -7,6 +7,8 @@ Services never import each other; both import this.
 
 from __future__ import annotations
 
+import torch
+
 from common.metrics import Histogram
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.extras.speculative.config import spec_compat
@@ -27,11 +29,46 @@ TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 def compat_info(runner: ModelRunner) -> CompatInfo:
     """What this worker's wire page holds: the model's canonical page (all KV heads), and its TP."""
     mc = runner.model_cfg
+    states = getattr(runner, "states", None)
     return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
                       dtype=runner.cfg.dtype, page_size=runner.page_size,
-                      num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                      num_layers=mc.num_kv_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                       window=mc.max_window, tp=_tp(runner).size, **spec_compat(getattr(runner.cfg, "spec", None)),
+                      state_layout="" if states is None else f"{states.slot_bytes}B:{states.spec.describe()}",
                       **_layout(mc))
+
+
+class StateWire:
+    """How a hybrid model's recurrent state rides the KV transfer: the prompt's final state (one slot,
+    `slot_bytes`) follows its last KV page as `pages` extra wire pages in the same room. The prefill
+    appends them to its last chunk (`with_state`); the decode reserves that many landing pages of its
+    own pool after the prompt's (`landing` ... `land`), copies the bytes into the request's slot once the
+    room succeeds and frees them. Nothing changes in the transfer layer: they are pages to it."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.states = getattr(runner, "states", None)
+        if self.states is not None and _tp(runner).size > 1:
+            raise ValueError(f"{runner.model_cfg.model_type} has recurrent layers: prefill/decode with --tp > 1 is not "
+                             "supported for it yet (each rank holds part of the state; serve it colocated with --tp, "
+                             "or PD with --tp 1 on both sides)")
+        self.page_view = runner.pool.buffer.view(runner.pool.buffer.shape[0], -1).view(torch.uint8)
+        page_bytes = self.page_view.shape[1]
+        self.pages = 0 if self.states is None else -(-self.states.slot_bytes // page_bytes)
+
+    def with_state(self, r: Req, pages: list[int], data: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """The last chunk's source pages and wire rows with r's state appended (unchanged without a state)."""
+        if not self.pages:
+            return pages, data
+        rows = self.page_view.new_zeros(self.pages, self.page_view.shape[1])
+        rows.view(-1)[: self.states.slot_bytes] = self.states.buffer[r.kv.state_slot]  # type: ignore[union-attr]
+        idx = torch.tensor(pages, dtype=torch.long, device=self.page_view.device)
+        head = data if data is not None else self.page_view[idx]
+        return pages + [0] * self.pages, torch.cat([head.to(rows.device), rows])
+
+    def land(self, r: Req, landing: list[int]) -> None:
+        """The room succeeded: r's slot takes the state from its landing pages, which are freed by the caller."""
+        flat = self.page_view[torch.tensor(landing, dtype=torch.long, device=self.page_view.device)].reshape(-1)
+        self.states.load(r.kv.state_slot, flat[: self.states.slot_bytes])  # type: ignore[union-attr]
 
 
 def _layout(mc: object) -> dict:

@@ -41,6 +41,7 @@ class KVStats:
     total_tokens: int = 0  # level (the pool's size)
     host_used_pages: int | None = None  # colocated/decode, level: host (offload) pool pages in use
     usage: float | None = None  # decode, level: used / total (0..1), an autoscaling signal
+    state_slots_used: int | None = None  # hybrid models, level: recurrent-state slots in use (None: no state pool)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class WorkerStats:
         """A scheduler's report as worker stats (colocated; the decode adds its parts)."""
         return cls(queues={"waiting": s.waiting, "running": s.running, "retracted": s.retracted},
                    kv=KVStats(used_tokens=s.kv_used_tokens, total_tokens=s.kv_total_tokens,
-                              host_used_pages=s.host_kv_used_pages),
+                              host_used_pages=s.host_kv_used_pages, state_slots_used=s.state_slots_used),
                    prefix=s.prefix,
                    counters=Counters(retractions=s.retractions, reloads=s.reloads, forward_tokens=s.forward_tokens,
                                      window_freed_pages=s.window_freed_pages, pool_truncated=s.pool_truncated),

@@ -4,8 +4,10 @@ benchmarks/swa_pd.py."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from colocated_service.worker import ColocatedRole
 from decode_service.worker import DecodeRole
@@ -21,10 +23,18 @@ from service.config import PDConfig, ServerConfig
 from service.pd import make_transfer_manager
 
 
+def integration_helpers() -> None:
+    """Make tests/integration's harness modules (its pd_harness: real service processes; router_harness)
+    importable from a test elsewhere that starts a real stack."""
+    path = str(Path(__file__).resolve().parent / "integration")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
 def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
     """The role's KV manager, with the host/disk tiers of runner.cfg's --hicache-* fields when cached."""
     spec = HiCacheSpec.from_config(runner.cfg, f"w{id(runner)}") if prefix_cache else None
-    return KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, spec)
+    return KVManager.for_runner(runner, prefix_cache, spec)
 
 
 _GROUPED = {  # the request's SGLang-style field names -> (GenerateReq group, the group's field)

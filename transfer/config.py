@@ -85,6 +85,9 @@ class CompatInfo:
     # model, or the pair is refused (412 naming the field) instead of decoding with a config mismatch
     speculative: str = ""  # "", ngram or draft
     draft_model: str = ""  # the draft model's directory name ("" unless speculative == draft)
+    # hybrid recurrent models (engine/recurrent/state_pool.py): the layout of one request's state slot, sent
+    # after the prompt's last KV page in `ceil(slot bytes / page_bytes)` extra wire pages; "" = no state
+    state_layout: str = ""
 
     def __post_init__(self) -> None:
         if self.tp < 1:

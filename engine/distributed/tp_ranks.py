@@ -36,6 +36,7 @@ their receive and exit 1 (they also exit when their parent process goes). Nothin
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -56,6 +57,7 @@ from engine.forward.forward_batch import Segment, build_batch
 from engine.forward.model_runner import ModelRunner, Shard
 from engine.kvcache.memory import HostKVPool, KVPool, _runs
 from engine.models.embedded import resolve_model_path
+from engine.recurrent.state_pool import StatePool
 
 log = logging.getLogger("pdserve.tp")
 
@@ -123,7 +125,7 @@ def rank_shard(cfg: EngineConfig, rank: int, tp: TPGroup, driver: Driver | None 
     if driver is None:
         return Shard(tp, rank_device(cfg, rank), threads)
     return Shard(tp, rank_device(cfg, rank), threads, lambda *a, **k: DrivenKVPool(driver, *a, **k),
-                 lambda *a, **k: DrivenHostKVPool(driver, *a, **k))
+                 lambda *a, **k: DrivenHostKVPool(driver, *a, **k), lambda *a, **k: DrivenStatePool(driver, *a, **k))
 
 
 def rank_runner(cfg: EngineConfig, rank: int) -> tuple[ModelRunner, Any]:
@@ -276,6 +278,57 @@ class DrivenHostKVPool(HostKVPool):
     def reload(self, device: KVPool, host: list[int], pages: list[int]) -> None:
         self.driver.send(_host_reload, {"host": host, "pages": pages})
         super().reload(device, host, pages)
+
+
+class DrivenStatePool(StatePool):
+    """Rank 0's recurrent-state pool (hybrid models): it hands out the slots; a fork's copy and a
+    retraction's save / load / discard run on every rank, each over its own heads' state. A saved state is
+    (key, rank 0's row); the other ranks keep theirs under the same key until it is loaded or discarded."""
+
+    def __init__(self, driver: Driver, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.driver = driver
+        self._keys = itertools.count(1)
+
+    def copy(self, src: int, dst: int) -> None:
+        self.driver.send(_state_copy, {"src": src, "dst": dst})
+        super().copy(src, dst)
+
+    def save(self, slot: int) -> tuple[int, torch.Tensor]:
+        key = next(self._keys)
+        self.driver.send(_state_save, {"slot": slot, "key": key})
+        return key, super().save(slot)
+
+    def load(self, slot: int, saved: Any) -> None:
+        key, row = saved
+        self.driver.send(_state_load, {"slot": slot, "key": key})
+        super().load(slot, row)
+
+    def discard(self, saved: Any) -> None:
+        self.driver.send(_state_discard, {"key": saved[0]})
+
+
+_SAVED_STATES: dict[int, torch.Tensor] = {}  # ranks > 0: retracted requests' state rows, by rank 0's key
+
+
+@rank_op("state_copy")
+def _state_copy(runner: ModelRunner, src: int, dst: int) -> None:
+    runner.states.copy(src, dst)  # type: ignore[union-attr]
+
+
+@rank_op("state_save")
+def _state_save(runner: ModelRunner, slot: int, key: int) -> None:
+    _SAVED_STATES[key] = runner.states.save(slot)  # type: ignore[union-attr]
+
+
+@rank_op("state_load")
+def _state_load(runner: ModelRunner, slot: int, key: int) -> None:
+    runner.states.load(slot, _SAVED_STATES.pop(key))  # type: ignore[union-attr]
+
+
+@rank_op("state_discard")
+def _state_discard(runner: ModelRunner, key: int) -> None:
+    _SAVED_STATES.pop(key, None)
 
 
 @rank_op("stop")

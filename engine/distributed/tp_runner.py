@@ -38,6 +38,7 @@ class TPRunner:
         self.context_length, self.device, self.dtype = local.context_length, local.device, local.dtype
         self.tp, self.model, self.lora = local.tp, local.model, local.lora
         self.pool, self.host_pool = local.pool, local.host_pool
+        self.states = local.states  # hybrid models: slots rank 0 hands out, moved on every rank (DrivenStatePool)
 
     @property
     def page_size(self) -> int:

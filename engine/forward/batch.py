@@ -134,7 +134,8 @@ def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
         extras = features.prepare(r.features, start, it.num_tokens, prompt=True) if r.features.active else ()
         if r.lora:
             extras = (*extras, Adapter(r.lora))
-        segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip, extras))
+        segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip, extras,
+                                r.kv.state_slot))
     for r in decode:
         assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
         draft = r.spec.draft  # speculative: verify [last] + draft, logits at every position
@@ -142,7 +143,7 @@ def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
         if r.lora:
             extras = (*extras, Adapter(r.lora))
         segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,
-                                LOGITS_ALL if draft else LOGITS_LAST, 0, extras))
+                                LOGITS_ALL if draft else LOGITS_LAST, 0, extras, r.kv.state_slot))
     return segments
 
 

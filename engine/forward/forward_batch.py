@@ -44,6 +44,7 @@ class Segment:
     logits: int = LOGITS_LAST
     skip: int = 0  # LOGITS_ALL: the first `skip` rows get no logits
     extras: tuple[BatchExtra, ...] = ()  # what per-request extras add to the batch (engine/extras/)
+    slot: int = -1  # the request's recurrent-state slot (hybrid models: engine/recurrent/state_pool.py); -1: none
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class ForwardBatch:
     new_lens: list[int]  # [B] new tokens
     logit_rows: list[int]  # rows of the final hidden states the LM head reads, in order
     picks: list[int | slice | None]  # [B] each segment's logits among them: a row, rows, or none
+    state_slots: list[int] | None = None  # [B] each segment's recurrent-state slot (None: no segment has one)
     # extras' inputs (None: no segment has one)
     adapters: list[str] | None = None  # [B] LoRA adapter of each segment ("" = the base model)
     embeds: list[tuple[int, torch.Tensor]] | None = None  # (first row, float32 [n, H]) replacing the ids' embeddings
@@ -114,6 +116,8 @@ def build_batch(segments: list[Segment], page_size: int) -> ForwardBatch:
     batch = ForwardBatch(segments, ids, pos, out_page, out_off, [s.pages for s in segments],
                          [s.start + len(s.tokens) for s in segments], [len(s.tokens) for s in segments],
                          rows, picks)
+    if segments and segments[0].slot >= 0:
+        batch.state_slots = [s.slot for s in segments]
     for i, row in extended:
         for extra in segments[i].extras:
             extra.add(batch, i, row)

@@ -37,6 +37,8 @@ from engine.models.embedded import resolve_model_path
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model
 from engine.models.quant import quantized_modules
+from engine.recurrent.batch import StateBatch
+from engine.recurrent.state_pool import StatePool, StateSpec
 
 __all__ = ["LOGITS_ALL", "LOGITS_LAST", "LOGITS_NONE", "ForwardBatch", "ForwardOutput", "ModelRunner", "Segment",
            "Shard"]
@@ -53,6 +55,7 @@ class Shard(NamedTuple):
     threads: int = 0  # torch threads on CPU; 0 = --threads, else the CPU budget
     kv_pool: Callable[..., KVPool] = KVPool  # rank 0 of a group: pools that send their page moves
     host_pool: Callable[..., HostKVPool] = HostKVPool
+    state_pool: Callable[..., StatePool] = StatePool  # rank 0 of a group: a pool that sends its slot moves
 
 
 class ModelRunner:
@@ -81,6 +84,7 @@ class ModelRunner:
             log.warning("context length %d exceeds the model's %d", self.context_length, mc.max_position)
         self.backend = create_backend(cfg.resolved_attention_backend)
         self.pool, self.host_pool = self._pools(shard, getattr(self.model, "local_kv_heads", mc.num_kv_heads))
+        self.states = self._state_pool(shard)  # hybrid models' recurrent-state slots; None for attention-only models
         self.scale = mc.head_dim ** -0.5
         self.lora = lora_registry.registry_for(cfg, mc, self.tp, self.dtype, self.device)  # None: LoRA off
         if self.lora is not None and quantized_modules(self.model):
@@ -92,11 +96,32 @@ class ModelRunner:
         rope_dim], the same on every rank) and the host pool of this rank."""
         mc, cfg = self.model_cfg, self.cfg
         latent = {"latent_dim": mc.mla.latent_dim} if mc.mla is not None else {}
-        pool = shard.kv_pool(cfg.num_pages, mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype,
+        pool = shard.kv_pool(cfg.num_pages, mc.num_kv_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype,
                              self.device, **latent)
         host = shard.host_pool(cfg.num_host_pages, tuple(pool.buffer.shape[1:]), self.dtype,
                                pin=self.device.type == "cuda")
         return pool, host
+
+    def _state_pool(self, shard: Shard) -> StatePool | None:
+        """One state slot per running request (--max-state-slots, default --max-running-requests) when
+        the model has recurrent layers (its `state_spec()`: this rank's conv and recurrent states)."""
+        spec_of = getattr(self.model, "state_spec", None)
+        if spec_of is None:
+            return None
+        cfg, what = self.cfg, f"{self.model_path} ({self.model_cfg.model_type}) has recurrent layers"
+        refused = [(bool(cfg.spec.speculative), "--speculative (a rejected draft would need the state "
+                    "before it: per-position state checkpoints are not implemented)"),
+                   (bool(cfg.lora_paths or cfg.max_loaded_loras), "LoRA adapters (--lora-paths, --max-loaded-loras)"),
+                   (bool(cfg.hicache_host_tokens), "--hicache-host-tokens (the prefix cache is off for these models: a "
+                    "cached prefix needs the recurrent state at its end)")]
+        for bad, flag in refused:
+            if bad:
+                raise ValueError(f"{what}; {flag} is not supported with them yet")
+        spec: StateSpec = spec_of()
+        slots = cfg.max_state_slots or cfg.max_running_requests
+        pool = shard.state_pool(spec, slots, self.device)
+        log.info("recurrent state: %d slots of %.2f MB (%d parts)", slots, pool.slot_bytes / 2**20, len(spec.parts))
+        return pool
 
     @property
     def page_size(self) -> int:
@@ -122,6 +147,7 @@ class ModelRunner:
             native=getattr(self.backend, "native", None),  # the cpu backend's kernels
             lora=None if batch.adapters is None or self.lora is None else self.lora.batch(batch.adapters,
                                                                                           batch.new_lens),
+            state=self._state_batch(batch),
         )
         ids = torch.tensor(batch.ids, dtype=torch.long, device=dev)  # int64 [T]
         pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)  # int64 [T]
@@ -129,6 +155,16 @@ class ModelRunner:
         hidden = self.model(ids, pos, ctx, **extra)  # [T, H] model dtype, after the final norm
         captured = None if batch.capture is None else self._capture(hidden, batch)
         return ForwardOutput(self._logits(hidden, batch), captured)
+
+    def _state_batch(self, batch: ForwardBatch) -> StateBatch | None:
+        if self.states is None:
+            return None
+        if batch.state_slots is None or min(batch.state_slots) <= 0:
+            raise ValueError(f"{self.model_cfg.model_type} has recurrent layers: every segment needs a state slot "
+                             f"(Segment.slot), got {batch.state_slots}")
+        starts = [s - n for s, n in zip(batch.seq_lens, batch.new_lens)]
+        return StateBatch(self.states, torch.tensor(batch.state_slots, dtype=torch.long, device=self.device),
+                          batch.new_lens, [s > 0 for s in starts])
 
     @torch.inference_mode()
     def _input_embeds(self, ids: torch.Tensor, embeds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -174,5 +210,7 @@ class ModelRunner:
             "tp": self.tp.size,
             "attention_backend": self.backend.name,
             "kv_bytes_per_token": self.pool.page_bytes // self.page_size,
+            "state_slots": 0 if self.states is None else self.states.capacity,  # hybrid models' recurrent state
+            "state_bytes_per_slot": 0 if self.states is None else self.states.slot_bytes,
             **lora_registry.info(self.lora),
         }

@@ -28,15 +28,25 @@ prompt pages are shared through `tree` (the prefix cache, or with the cache off 
 keeps nothing unlocked: pages go back to the free list when the last choice lets go), locked by
 every choice like a matched prefix; the partial last page is copied. A sliding-window model has no
 tree: a fork copies the live pages.
+
+Recurrent state (hybrid models, `states`: engine/recurrent/state_pool.py): every running request
+also holds one state slot, valid at `kv_len` tokens. `grow` takes the slots of a request and of its
+forks at its admission (the forks' slots wait for the fork, so a computed prompt never waits for a
+slot), the admission rule counts free slots beside pages, `fork` copies the parent's slot, retraction
+saves the slot to the host with the KV and frees it, reload takes a fresh one, `release` frees it.
+The prefix cache is off for these models (a cached prefix would need the state at its end: issue
+48's snapshots); the private tree still shares forks' prompt pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from engine.kvcache.hicache import HiCacheSpec, HiRadixCache, build_cache
 from engine.kvcache.memory import HostKVPool, KVPool, pages_for
 from engine.kvcache.radix_cache import RadixCache
+from engine.recurrent.state_pool import StatePool
 from engine.request import Req
 from engine.stats import PrefixCacheStats
 
@@ -50,8 +60,9 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 
 class KVManager:
     def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
-                 hicache: HiCacheSpec | None = None) -> None:
+                 hicache: HiCacheSpec | None = None, states: StatePool | None = None) -> None:
         self.pool = pool
+        self.states = states  # hybrid models' recurrent-state slots (None: attention only)
         self.host = host_pool
         self.page_size = pool.page_size
         self.window = window  # tokens the widest layer looks back; 0 = some layer sees everything
@@ -59,13 +70,19 @@ class KVManager:
         self.reloads = 0
         self.trimmed_pages = 0  # pages freed because they fell out of every layer's window
         self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
-        use_cache = prefix_cache and not window
+        use_cache = prefix_cache and not window and states is None
         self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
         if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/kvcache/hicache)
             self.cache = build_cache(hicache, pool)
         # the tree forked choices share prompt pages through (the cache, else private; None: copy)
         self.tree = self.cache if self.cache is not None else \
             (None if window else RadixCache(self.page_size, pool.allocator.free))
+
+    @classmethod
+    def for_runner(cls, runner: Any, prefix_cache: bool, hicache: HiCacheSpec | None = None) -> KVManager:
+        """The manager of a runner's pools (device, host and, for a hybrid model, its state slots)."""
+        return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache,
+                   getattr(runner, "states", None))
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -140,6 +157,7 @@ class KVManager:
         return max(0, pages_for(req.kv.kv_len + prefix + new_tokens, ps) - len(req.kv.pages) - prefix // ps)
 
     def grow(self, req: Req, new_tokens: int) -> None:
+        self.take_slots(req)
         n = self.extra_pages(req, new_tokens)
         if n:
             req.kv.pages.extend(self._allocate(n))
@@ -176,6 +194,9 @@ class KVManager:
         its `forks` other choices take once it is computed), or None. `chunk` is the largest prompt
         chunk one step computes (0: the whole prompt at once)."""
         cap = self.pool.allocator.capacity
+        if self.states is not None and forks + 1 > self.states.capacity:
+            return (f"the request's {forks + 1} choices need {forks + 1} recurrent-state slots at once; the "
+                    f"state pool holds {self.states.capacity} (--max-state-slots)")
         if self.peak_pages(prompt_tokens, chunk or prompt_tokens) > cap:
             return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
         need = pages_for(prompt_tokens, self.page_size) - self.window_start(prompt_tokens) + \
@@ -206,7 +227,35 @@ class KVManager:
         decides, so a request the pool can hold is never refused forever."""
         own = reservation([req, *req.choice.forks], ratio, self.page_size) if ratio else 0
         free = self.free_pages
-        return need <= free and (not busy or need + own <= free - reserved)
+        return need <= free and (not busy or need + own <= free - reserved) and self.slots_free_for(req)
+
+    def slots_needed(self, req: Req) -> int:
+        """State slots req and its forks still need (0 for attention-only models)."""
+        if self.states is None:
+            return 0
+        return sum(1 for c in (req, *req.choice.forks) if c.kv.state_slot < 0)
+
+    def slots_free_for(self, req: Req) -> bool:
+        return self.states is None or self.slots_needed(req) <= self.states.num_free
+
+    def slots_free_for_scratch(self) -> bool:
+        """Whether a computation outside any request (an embedding) can take a state slot now."""
+        return self.states is None or self.states.num_free > 0
+
+    def take_slots(self, req: Req) -> None:
+        """Give req and its forks a state slot each (hybrid models; the caller checked slots_free_for)."""
+        if self.states is None:
+            return
+        for c in (req, *req.choice.forks):
+            if c.kv.state_slot < 0:
+                c.kv.state_slot = self.states.allocate(1)[0]
+
+    def _free_slot(self, req: Req) -> None:
+        if self.states is not None and req.kv.state_slot >= 0:
+            self.states.free([req.kv.state_slot])
+        if self.states is not None and req.kv.host_state is not None:
+            self.states.discard(req.kv.host_state)
+        req.kv.state_slot, req.kv.host_state = -1, None
 
     @property
     def free_pages(self) -> int:
@@ -250,6 +299,7 @@ class KVManager:
             self.pool.allocator.free(own)
         req.kv.pages = []
         self._unlock(req)
+        self._free_slot(req)
         if req.kv.host_pages:
             self.host.free(req.kv.host_pages)
             req.kv.host_pages = []
@@ -289,6 +339,9 @@ class KVManager:
             self.tree.lock(parent.kv.prefix_node)  # type: ignore[union-attr]
             child.kv.prefix_node, child.kv.shared_pages = parent.kv.prefix_node, parent.kv.shared_pages
         child.kv.kv_len, child.kv.cached_tokens = parent.kv.kv_len, parent.kv.cached_tokens
+        if self.states is not None:  # the prompt's final state (the child's slot was taken with the parent's)
+            self.take_slots(child)
+            self.states.copy(parent.kv.state_slot, child.kv.state_slot)
 
     def _share_prompt(self, req: Req) -> None:
         """Move req's full prompt pages into the tree, locked by req (as if it had matched them).
@@ -319,6 +372,10 @@ class KVManager:
     def can_offload(self, req: Req) -> bool:
         return self.host.can_hold(len(req.kv.pages) - req.kv.dropped_pages)
 
+    @property
+    def slots_used(self) -> int:
+        return 0 if self.states is None else self.states.num_used
+
     def offload(self, req: Req) -> None:
         """Retract: copy the request's live KV pages to the host pool and free its own device pages.
         Shared (cached) pages are copied too and unlocked, not freed: a retracted request holds
@@ -330,11 +387,16 @@ class KVManager:
         self.pool.allocator.free(req.kv.pages[self._head(req) :])
         self._unlock(req)
         req.kv.pages = req.kv.pages[: req.kv.dropped_pages]
+        if self.states is not None and req.kv.state_slot >= 0:  # the state goes with the KV
+            saved = self.states.save(req.kv.state_slot)
+            self._free_slot(req)
+            req.kv.host_state = saved
         req.kv.retractions += 1
         self.retractions += 1
 
     def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
-        return pages_for(req.kv.kv_len + extra_tokens, self.page_size) - len(req.kv.pages) <= self.free_pages
+        return pages_for(req.kv.kv_len + extra_tokens, self.page_size) - len(req.kv.pages) <= self.free_pages \
+            and (self.states is None or req.kv.host_state is None or self.states.num_free > 0)
 
     def reload(self, req: Req) -> None:
         """Bring a retracted request's KV back into fresh device pages; host pages are freed."""
@@ -343,7 +405,12 @@ class KVManager:
         self.host.reload(self.pool, req.kv.host_pages, pages)
         req.kv.pages = req.kv.pages + pages
         req.kv.host_pages = []
+        if req.kv.host_state is not None:
+            saved, req.kv.host_state = req.kv.host_state, None
+            req.kv.state_slot = self.states.allocate(1)[0]  # type: ignore[union-attr]
+            self.states.load(req.kv.state_slot, saved)  # type: ignore[union-attr]
         self.reloads += 1
 
     def all_free(self) -> bool:
-        return self.pool.allocator.all_free() and self.host.all_free()
+        return self.pool.allocator.all_free() and self.host.all_free() and \
+            (self.states is None or self.states.all_free())

@@ -46,6 +46,7 @@ class ForwardContext:
     out_offset: torch.Tensor  # int64 [T] slot inside that page
     native: NativeKernels | None = None  # fused rotary + KV store (the cpu attention backend's kernels)
     lora: Any = None  # engine.extras.lora.batch.LoRABatch when a segment runs under an adapter, else None
+    state: Any = None  # engine.recurrent.batch.StateBatch of a hybrid model's forward (slots per segment), else None
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id, self.tp = layer_id, tp
+        self.kv_layer = cfg.kv_index(layer_id)  # its index in the KV pool (a hybrid model skips its recurrent layers)
         self.window = cfg.window(layer_id)  # sliding window in tokens, 0 = full attention
         self.hq = tp.split(cfg.num_heads, "num_attention_heads")[1]
         self.hkv = tp.kv_heads(cfg.num_kv_heads)[1]
@@ -110,7 +112,7 @@ class Attention(nn.Module):
             heads = qkv.view(t, self.hq + 2 * self.hkv, self.d)
             heads[:, : self.hq] = self.q_norm(heads[:, : self.hq])
             heads[:, self.hq : self.hq + self.hkv] = self.k_norm(heads[:, self.hq : self.hq + self.hkv])
-        k_pages, v_pages = ctx.pool.layer(self.layer_id)
+        k_pages, v_pages = ctx.pool.layer(self.kv_layer)
         if ctx.native is not None:  # one call: rotate q and k, store k and v in the pool
             q = ctx.native.rope_store(qkv, rotary.cos, rotary.sin, k_pages, v_pages, ctx.out_page, ctx.out_offset,
                                       self.hq, self.hkv, self.d)
@@ -129,7 +131,7 @@ class Attention(nn.Module):
         q = rotary(q.view(t, self.hq, self.d))  # [T, Hq, D]
         k = rotary(k.view(t, self.hkv, self.d))  # [T, Hkv, D]
         v = v.view(t, self.hkv, self.d)
-        ctx.pool.write(self.layer_id, ctx.out_page, ctx.out_offset, k, v)
+        ctx.pool.write(self.kv_layer, ctx.out_page, ctx.out_offset, k, v)
         return q
 
 

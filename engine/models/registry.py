@@ -25,6 +25,14 @@ FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "deepseek_v2": "deepseek",
     "deepseek_v3": "deepseek",
+    # hybrid recurrent families (engine/recurrent/: a state slot per request beside the attention layers' KV)
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
+    "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitemoehybrid",
 }
 
 

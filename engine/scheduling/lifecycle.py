@@ -46,10 +46,12 @@ def finish_request(r: Req, kv: KVManager, outbox: Outbox, reason: FinishReason |
         r.finish_reason, r.matched_stop = None, None
     if reason is not None:
         r.finish(reason, error, code, fault)
-    if forks:
-        for f in r.choice.forks:
+    for f in r.choice.forks:
+        kv.release(f)  # a waiting choice holds nothing but, on a hybrid model, its state slot
+        if forks:
             f.finish(r.finish_reason or FinishReason.ABORT, r.error, r.error_code, r.error_fault)
             outbox.add(f)
+    if forks:
         r.choice.forks = []
     kv.release(r)
     outbox.add(r)

@@ -93,8 +93,7 @@ class Scheduler:
         self.on_event = on_event
         self.cfg = cfg
         self.runner = runner
-        self.kv = kv or KVManager(runner.pool, runner.host_pool, runner.model_cfg.max_window, cfg.prefix_cache,
-                                  HiCacheSpec.from_config(cfg))
+        self.kv = kv or KVManager.for_runner(runner, cfg.prefix_cache, HiCacheSpec.from_config(cfg))
         self.exec = make_executor(runner, cfg)
         self.spec = make_speculator(runner, cfg, self.kv, self.exec.sampler)  # None: --speculative off
         self.planner = ExtendPlanner(self.kv, cfg)
@@ -338,6 +337,7 @@ class Scheduler:
             waiting=waiting, running=running, retracted=retracted,
             kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
             host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
+            state_slots_used=None if self.kv.states is None else self.kv.states.num_used,
             retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
             window_freed_pages=self.kv.trimmed_pages, pool_truncated=self.pool_truncated,
             prefix=self.kv.cache_stats(),

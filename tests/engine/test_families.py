@@ -288,4 +288,5 @@ def test_row_parallel_partials_sum_to_the_full_mlp():
     with torch.no_grad():
         want = block(TPGroup())(x, residual)
         got = sum(block(_Partial(r, 2))(x, residual) for r in range(2))
-    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(want, residual, atol=1e-2)
+    # equal up to fp32 rounding: values reach ~1e3, so the bound is relative (the split changes the summation order)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4) and not torch.allclose(want, residual, atol=1e-2)

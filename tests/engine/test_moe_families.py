@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.moe import SparseMoE
 from engine.sampling.params import SamplingParams
-from tests.pd_harness import PDPair, colocated_tokens
+from tests.pd_harness import PDPair, colocated_tokens, integration_helpers
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -178,17 +177,10 @@ def test_a_lora_adapter_on_the_experts_is_refused_by_name(tmp_path):
 
 # ---- one real PD stack through the router ---------------------------------------------------------
 
-def _integration_helpers() -> None:
-    """Make tests/integration's harness modules (pd_harness, router_harness) importable."""
-    path = str(Path(__file__).resolve().parents[1] / "integration")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-
 @pytest.fixture(scope="module")
 def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
     """Qwen2-MoE (shared expert): colocated, a prefill of 2 TP ranks, a decode, the router over them."""
-    _integration_helpers()
+    integration_helpers()
     from pd_harness import start_service
     from router_harness import start_router
 

@@ -63,6 +63,7 @@ ADAPTERS = {
     "engine.attention.mla_triton": "triton",
     "engine.models.moe_triton": "triton",
     "engine.extras.lora.triton_sgmv": "triton",
+    "engine.recurrent.triton_steps": "triton",
     "transfer.ucx_backend": "ucxx",
     "engine.models.gguf_convert": "gguf",
 }

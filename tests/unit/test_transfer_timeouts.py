@@ -57,10 +57,10 @@ def test_early_transfer_info_expires():
 def test_prefill_silent_fails_receiver_after_missed_heartbeats():
     p, d, addr = make_pair(heartbeat_interval_s=0.1)
     try:
-        s = p.create_sender(4)
-        r = d.create_receiver(4, addr, [1])
+        t0 = time.monotonic()  # the last heartbeat reply the decode gets arrives after this, so no failure
+        s = p.create_sender(4)  # may be declared before t0 + 3 intervals (a busy box can pump the first
+        r = d.create_receiver(4, addr, [1])  # phase slowly: counting from its end would be a timing bet)
         pump([p, d], lambda: s.poll() == KVPoll.WAITING_FOR_INPUT)
-        t0 = time.monotonic()
         pump([d], lambda: r.poll() == KVPoll.FAILED)  # the prefill stops progressing
         assert time.monotonic() - t0 >= 0.3
         assert r.error.code == ErrorCode.PEER_LOST and "heartbeats" in r.error.message

@@ -1,0 +1,72 @@
+"""What a recurrent layer sees of one forward (`ForwardContext.state`), and the three calls a layer
+makes: the short convolution, the gated delta rule (Gated DeltaNet) and the SSD scan (Mamba2).
+
+Each call takes the layer's packed per-token inputs and its pool part (`StatePool.part`), and picks
+the kernel: on CUDA, a batch whose segments are all one token (a decode step) goes to the Triton
+steps (engine/recurrent/triton_steps.py: state read and written in the pool, no gather); everything
+else to the packed-segment torch path (engine/recurrent/segments.py: chunked forms for prompt
+chunks, one batched step for the one-token segments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.recurrent.conv import causal_conv1d_varlen
+from engine.recurrent.gated_delta import gated_delta_varlen
+from engine.recurrent.ssd import NO_LIMIT, ssd_varlen
+from engine.recurrent.state_pool import StatePool
+
+
+@dataclass
+class StateBatch:
+    """The recurrent layers' view of one forward (B = segments)."""
+
+    pool: StatePool
+    slots: torch.Tensor  # int64 [B] each segment's slot, on the pool's device
+    seq_lens: list[int]  # [B] new tokens of each segment: how per-token inputs are packed
+    has_state: list[bool]  # [B] the segment continues its sequence (start > 0); False: from zeros
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.seq_lens)
+
+    def _triton(self) -> bool:
+        return self.pool.buffer.device.type == "cuda" and self.decode_only
+
+    def conv(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             activation: str | None = "silu") -> torch.Tensor:
+        """Causal depthwise conv1d of packed x [T, C] (weight [C, K]) through pool part `name`
+        ([slots, C, K-1]) -> y [T, C]."""
+        states = self.pool.part(name)
+        if self._triton():
+            from engine.recurrent.triton_steps import conv1d_decode_step
+            return conv1d_decode_step(x.contiguous(), weight, bias, self.slots, states, self.has_state, activation)
+        return causal_conv1d_varlen(x, weight, bias, self.seq_lens, self.slots, states, self.has_state, activation)
+
+    def gated_delta(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, *, use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+        """The gated delta rule over packed q, k [T, H_k, d_k], v [T, H_v, d_v], g, beta [T, H_v]
+        through pool part `name` ([slots, H_v, d_k, d_v] fp32) -> o [T, H_v, d_v]."""
+        states = self.pool.part(name)
+        if self._triton():
+            from engine.recurrent.triton_steps import gdn_decode_step
+            return gdn_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+                                   self.slots, states, self.has_state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        return gated_delta_varlen(q, k, v, g, beta, self.seq_lens, self.slots, states, self.has_state,
+                                  use_qk_l2norm=use_qk_l2norm, scale=scale)
+
+    def ssd(self, name: str, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,  # noqa: N803
+            C: torch.Tensor, *, D: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,  # noqa: N803
+            dt_limit: tuple[float, float] = NO_LIMIT, chunk_size: int = 256) -> torch.Tensor:
+        """Mamba2's SSD scan over packed x [T, H, P], dt [T, H] (raw), B, C [T, G, N] through pool part
+        `name` ([slots, H, P, N] fp32) -> y [T, H, P]."""
+        states = self.pool.part(name)
+        if self._triton():
+            from engine.recurrent.triton_steps import ssd_decode_step
+            return ssd_decode_step(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), self.slots,
+                                   states, self.has_state, D=D, dt_bias=dt_bias, dt_limit=dt_limit)
+        return ssd_varlen(x, dt, A, B, C, self.seq_lens, self.slots, states, self.has_state, D=D, dt_bias=dt_bias,
+                          dt_limit=dt_limit, chunk_size=chunk_size)

@@ -1,0 +1,190 @@
+"""Serving hybrid recurrent models (issue 48): the scheduler, the KV manager and PD with a state slot
+per request, on one Gated DeltaNet family (Qwen3-Next) and one Mamba2 family (Nemotron-H), tiny
+random-weight models (tests/hybrid_models.py); transformers is the oracle.
+
+Per family: greedy tokens equal to transformers' argmax at every step, alone and in one continuous
+batch; a pool too small for the batch retracts requests (state saved to the host with the KV) and
+the outputs do not change; n > 1 choices fork the prompt's state; fewer state slots than requests
+make requests wait, not fail; an abort storm leaves every page and slot free; the in-process PD pair
+(the state rides the KV transfer as extra wire pages) equals colocated. Then what is refused.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLM
+from engine.extras.speculative.config import SpecConfig
+from engine.forward.model_runner import ModelRunner
+from engine.request import Req
+from engine.sampling.params import SamplingParams
+from tests.hybrid_models import CONFIGS, VOCAB, write_hybrid
+from tests.pd_harness import PDPair, colocated_tokens, integration_helpers
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+LENGTHS = (5, 70, 200)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+def _cfg(path: str, **kw: object) -> EngineConfig:
+    base = dict(model=path, max_total_tokens=4096, host_kv_tokens=2048, page_size=16, chunked_prefill_size=64,
+                max_prefill_tokens=256, threads=1)
+    return EngineConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    torch.set_num_threads(1)
+    dst = tmp_path_factory.mktemp(request.param)
+    hf = write_hybrid(request.param, dst)
+    return request.param, hf, str(dst)
+
+
+@pytest.fixture(scope="module")
+def llm(family):  # noqa: ANN001, ANN201
+    return LLM(_cfg(family[2]))
+
+
+def _argmax_path(hf, ids: list[int], out: list[int]) -> list[int]:  # noqa: ANN001
+    with torch.no_grad():
+        return hf(torch.tensor([ids + out[:-1]])).logits[0].argmax(-1).tolist()[len(ids) - 1:]
+
+
+def test_greedy_alone_and_batched_match_transformers(family, llm):
+    _, hf, _ = family
+    prompts = [_prompt(10 + n, n) for n in LENGTHS]
+    alone = [llm.generate([ids], GREEDY)[0].output_ids for ids in prompts]
+    for ids, out in zip(prompts, alone):
+        assert _argmax_path(hf, ids, out) == out, "greedy tokens differ from transformers' argmax"
+    assert [c.output_ids for c in llm.generate(prompts, GREEDY)] == alone
+    kv = llm.scheduler.kv
+    assert kv.all_free() and kv.states is not None and kv.states.num_used == 0
+    info = llm.runner.server_info()
+    assert info["state_slots"] == 64 and info["state_bytes_per_slot"] == kv.states.slot_bytes > 0
+
+
+def test_retraction_saves_the_state_with_the_kv(family, llm):
+    prompts = [_prompt(30 + i, 40 + 9 * i) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    want = [c.output_ids for c in llm.generate(prompts, params)]
+    small = LLM(_cfg(family[2], max_total_tokens=256, new_token_ratio=0.0))
+    outs = small.generate(prompts, params)
+    kv = small.scheduler.kv
+    assert kv.retractions > 0, "the pool was meant to be too small"
+    assert kv.reloads == kv.retractions
+    assert [c.output_ids for c in outs] == want and all(c.error is None for c in outs)
+    assert kv.all_free()
+
+
+def test_fewer_state_slots_than_requests_wait_not_fail(family, llm):
+    prompts = [_prompt(50 + i, 20 + 5 * i) for i in range(5)]
+    want = [c.output_ids for c in llm.generate(prompts, GREEDY)]
+    two = LLM(_cfg(family[2], max_state_slots=2))
+    peak = 0
+    reqs = [Req(rid=f"s{i}", token_ids=ids, sampling=GREEDY) for i, ids in enumerate(prompts)]
+    for r in reqs:
+        two.scheduler.add(r)
+    while any(not r.finished for r in reqs):
+        two.scheduler.step()
+        two.scheduler.drain()
+        peak = max(peak, two.scheduler.kv.states.num_used)
+    assert peak == 2 and [r.output_ids for r in reqs] == want and all(r.error is None for r in reqs)
+    assert two.scheduler.kv.all_free()
+
+
+def test_n_choices_fork_the_prompt_state(family):
+    cfg = _cfg(family[2])
+    ids = [_prompt(70, 90)]
+    one = colocated_tokens(cfg, ids, GREEDY)["r0"]
+    three = colocated_tokens(cfg, ids, GREEDY, n=3)  # greedy: every choice decodes the same tokens
+    assert three == {"r0": one, "r0#1": one, "r0#2": one}
+
+
+def test_an_abort_storm_frees_every_page_and_slot(family, llm):
+    sched = llm.scheduler
+    reqs = [Req(rid=f"a{i}", token_ids=_prompt(90 + i, 30 + 20 * i), sampling=GREEDY) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(3):
+        sched.step()
+    assert sched.kv.states.num_used > 0
+    sched.abort(everything=True)
+    sched.step()
+    sched.drain()
+    assert sched.kv.all_free() and sched.kv.states.num_used == 0
+
+
+def test_pd_in_process_equals_colocated(family):
+    cfg = _cfg(family[2])
+    prompts = [_prompt(7, 21), _prompt(8, 150)]
+    want = colocated_tokens(cfg, prompts, GREEDY)
+    pair = PDPair(cfg, heartbeat_s=5.0)
+    try:
+        got, d_done, p_done = pair.run(prompts, GREEDY)
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert got == want
+        assert pair.p_kv.all_free() and pair.d_kv.all_free()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("speculative_method", "ngram", "--speculative"),
+    ("max_loaded_loras", 2, "LoRA adapters"),
+    ("hicache_host_tokens", 1024, "--hicache-host-tokens"),
+])
+def test_what_is_refused_says_so(family, field, value, words):
+    kw = {"spec": SpecConfig(speculative=value)} if field == "speculative_method" else {field: value}
+    kw |= {"prefix_cache": True} if field == "hicache_host_tokens" else {}
+    with pytest.raises(ValueError, match=f"has recurrent layers; {words}"):
+        ModelRunner(_cfg(family[2], **kw))
+
+
+# ---- one real PD stack through the router -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
+    """Nemotron-H: colocated, a prefill, a decode (separate processes, real UCX), the router over them."""
+    integration_helpers()
+    from pd_harness import start_service
+    from router_harness import start_router
+
+    model = tmp_path_factory.mktemp("hybrid_pd")
+    write_hybrid("nemotron_h", model)
+    common = ["--model", str(model), "--page-size", "8", "--heartbeat-interval", "30"]
+    procs: dict = {}
+    try:
+        procs["colo"], _ = start_service("colocated", *common[:4])
+        procs["pre"], _ = start_service("prefill", *common, "--bootstrap-timeout", "300")
+        procs["dec"], _ = start_service("decode", *common, "--waiting-timeout", "300")
+        for p in procs.values():
+            p.wait_healthy(300)
+        procs["router"] = start_router(["--prefill", procs["pre"].url, "--decode", procs["dec"].url])
+        procs["router"].wait_healthy(60)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.mark.slow
+def test_real_pd_through_router_equals_colocated(pd_stack):
+    from pd_harness import call
+
+    for seed, n in ((1, 13), (2, 90)):
+        body = {"input_ids": _prompt(seed, n),
+                "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+        status, want = call(pd_stack["colo"].url, "/generate", body)
+        assert status == 200, want
+        status, got = call(pd_stack["router"].url, "/generate", body)
+        assert status == 200, got
+        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 10
+    info = httpx.get(pd_stack["dec"].url + "/server_info", timeout=30).json()
+    assert info["state_slots"] > 0 and info["state_bytes_per_slot"] > 0
