@@ -4,9 +4,10 @@ benchmarks/swa_pd.py."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from colocated_service.worker import ColocatedRole
@@ -29,6 +30,30 @@ def integration_helpers() -> None:
     path = str(Path(__file__).resolve().parent / "integration")
     if path not in sys.path:
         sys.path.insert(0, path)
+
+
+@contextlib.contextmanager
+def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Real processes on `model`: a colocated service ("colo"), a prefill ("pre", with `prefill_args`), a
+    decode ("dec") and the router over the PD pair ("router"), all healthy; stopped on exit."""
+    integration_helpers()
+    from pd_harness import start_service  # tests/integration's: real service processes
+    from router_harness import start_router
+
+    common = ["--model", str(model), "--page-size", "8", "--heartbeat-interval", "30"]
+    procs: dict = {}
+    try:
+        procs["colo"], _ = start_service("colocated", "--model", str(model), "--page-size", "8")
+        procs["pre"], _ = start_service("prefill", *common, *prefill_args, "--bootstrap-timeout", "300")
+        procs["dec"], _ = start_service("decode", *common, "--waiting-timeout", "300")
+        for p in procs.values():
+            p.wait_healthy(300)
+        procs["router"] = start_router(["--prefill", procs["pre"].url, "--decode", procs["dec"].url])
+        procs["router"].wait_healthy(60)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
 
 
 def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:

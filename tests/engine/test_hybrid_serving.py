@@ -22,7 +22,7 @@ from engine.forward.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling.params import SamplingParams
 from tests.hybrid_models import CONFIGS, VOCAB, write_hybrid
-from tests.pd_harness import PDPair, colocated_tokens, integration_helpers
+from tests.pd_harness import PDPair, colocated_tokens, router_stack
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 LENGTHS = (5, 70, 200)
@@ -152,26 +152,10 @@ def test_what_is_refused_says_so(family, field, value, words):
 @pytest.fixture(scope="module")
 def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
     """Nemotron-H: colocated, a prefill, a decode (separate processes, real UCX), the router over them."""
-    integration_helpers()
-    from pd_harness import start_service
-    from router_harness import start_router
-
     model = tmp_path_factory.mktemp("hybrid_pd")
     write_hybrid("nemotron_h", model)
-    common = ["--model", str(model), "--page-size", "8", "--heartbeat-interval", "30"]
-    procs: dict = {}
-    try:
-        procs["colo"], _ = start_service("colocated", *common[:4])
-        procs["pre"], _ = start_service("prefill", *common, "--bootstrap-timeout", "300")
-        procs["dec"], _ = start_service("decode", *common, "--waiting-timeout", "300")
-        for p in procs.values():
-            p.wait_healthy(300)
-        procs["router"] = start_router(["--prefill", procs["pre"].url, "--decode", procs["dec"].url])
-        procs["router"].wait_healthy(60)
+    with router_stack(model) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.mark.slow

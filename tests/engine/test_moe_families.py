@@ -21,7 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.moe import SparseMoE
 from engine.sampling.params import SamplingParams
-from tests.pd_harness import PDPair, colocated_tokens, integration_helpers
+from tests.pd_harness import PDPair, colocated_tokens, router_stack
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -180,26 +180,10 @@ def test_a_lora_adapter_on_the_experts_is_refused_by_name(tmp_path):
 @pytest.fixture(scope="module")
 def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
     """Qwen2-MoE (shared expert): colocated, a prefill of 2 TP ranks, a decode, the router over them."""
-    integration_helpers()
-    from pd_harness import start_service
-    from router_harness import start_router
-
     model = tmp_path_factory.mktemp("moe_pd")
     write_model("qwen2_moe", model)
-    common = ["--model", str(model), "--page-size", "8", "--heartbeat-interval", "30"]
-    procs: dict = {}
-    try:
-        procs["colo"], _ = start_service("colocated", "--model", str(model), "--page-size", "8")
-        procs["pre"], _ = start_service("prefill", *common, "--tp", "2", "--bootstrap-timeout", "300")
-        procs["dec"], _ = start_service("decode", *common, "--waiting-timeout", "300")
-        for p in procs.values():
-            p.wait_healthy(300)
-        procs["router"] = start_router(["--prefill", procs["pre"].url, "--decode", procs["dec"].url])
-        procs["router"].wait_healthy(60)
+    with router_stack(model, ("--tp", "2")) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ prompts arrives (each tokenized, then refused 400 as longer than the context). T
 same machine's own speed: `alone`, the time one such request takes by itself (almost all of it
 tokenization). When tokenization ran on the loop, each request froze every stream for at least that
 long; off the loop, the stream's largest gap and the slowest /health answer during the burst stay
-far below it. The bound (half of `alone`) scales with the machine, so a slow or busy box moves both
-sides together.
+far below it. The bound (half of one request's tokenization: `alone`, or the burst's wall time per
+request when the box is busier during the burst) scales with the machine, so a slow or busy box moves
+both sides together.
 
     python tests/integration/test_frontend_burst.py --root /tmp/base   # the figures of another tree
 """
@@ -121,7 +122,10 @@ def measure(root: Path) -> dict:
 def test_streams_and_health_stay_live_during_a_burst_of_huge_prompts() -> None:
     m = measure(ROOT)
     assert m["statuses"] == {400}, m
-    bound = m["alone"] / 2  # the inline path froze the loop for >= alone per request
+    # the inline path froze the loop for at least one request's tokenization: `alone` on a quiet loop, and
+    # during the burst (tokenizations contend for the cores and the GIL) about wall / BURST each; both are
+    # the same machine's speed at that moment, so a busy box moves the bound with the figures
+    bound = max(m["alone"], m["wall"] / BURST) / 2
     assert m["gap"] < bound and m["health"] < bound, m
 
 
