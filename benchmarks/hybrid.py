@@ -24,8 +24,14 @@ init (seed 0), saved with save_pretrained; fp32 on the CPU, --threads torch thre
    conv states halve, the SSM / delta-rule states stay fp32). Nemotron-H's MLP-only layers count as layers of
    the dense model too (its blocks are one mixer or one MLP each, not attention + MLP), which flatters its ratio
    against a dense transformer of as many parameters.
-4. Multi-turn TTFT with the state prefix cache on vs off: not possible yet (the prefix cache is off for hybrid
-   models, docs/architecture.md "Hybrid recurrent models"); printed as such and written as null.
+4. Multi-turn TTFT with the prefix cache (state snapshots, docs/architecture.md "Hybrid recurrent models") on vs
+   off: one conversation of --turns turns through the engine's own scheduler (engine.engine.LLM, one request at
+   a time), each turn's prompt the previous prompt + its reply + --turn-len new tokens, --turn-output greedy
+   tokens a reply; TTFT = add to first token. The figure is the mean TTFT of turns --ttft-from-turn.. (4-6 by
+   default: later turns carry the whole history), cache off / on; the cache-on run also reports each turn's
+   cached_tokens (its restart point: the deepest snapshot, every --snapshot-interval tokens and at each prompt's
+   last page) and both runs' replies must be equal. The two engines alternate per round (the cache flushed
+   between rounds, --repeats rounds, the best mean of each kept).
 
 Ratios are pdserve / transformers (speed) and hybrid / dense (bytes), each from the same run; within a
 figure the engines alternate (warm-up each, then --repeats rounds of pdserve then transformers; each keeps
@@ -52,9 +58,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_throughput import prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402  (engine before torch: engine/__init__.py)
+from engine.engine import LLM  # noqa: E402
 from engine.forward.forward_batch import LOGITS_LAST, LOGITS_NONE, Segment, forward_segments  # noqa: E402
 from engine.forward.model_runner import ModelRunner  # noqa: E402
 from engine.kvcache.memory import pages_for  # noqa: E402
+from engine.request import Req  # noqa: E402
+from engine.sampling.params import SamplingParams  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
@@ -139,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-prompt-len", type=int, default=128, help="prompt length of each decode request")
     p.add_argument("--decode-tokens", type=int, default=16, help="timed one-token decode steps")
     p.add_argument("--pd-tokens", type=int, default=4096, help="prompt length of the PD bytes figure")
+    p.add_argument("--turns", type=int, default=6, help="multi-turn TTFT: turns of the conversation")
+    p.add_argument("--turn-len", type=int, default=200, help="multi-turn TTFT: new tokens each turn's prompt adds")
+    p.add_argument("--turn-output", type=int, default=16, help="multi-turn TTFT: tokens of each reply")
+    p.add_argument("--ttft-from-turn", type=int, default=4, help="multi-turn TTFT: first turn (1-based) of the mean")
+    p.add_argument("--snapshot-interval", type=int, default=256,
+                   help="multi-turn TTFT: --state-snapshot-interval of the cache-on engine")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed rounds per figure, pdserve and transformers alternating (best of each is kept)")
     p.add_argument("--out", default="hybrid.json", help="where the JSON goes")
@@ -152,19 +167,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.threads < 1 or a.chunk < 1 or a.decode_tokens < 1 or a.repeats < 1 or not a.prefill_lens or not a.batches:
         p.error("--threads, --chunk, --decode-tokens and --repeats must be >= 1; --prefill-lens and --batches "
                 "must name at least one value")
+    if not 1 <= a.ttft_from_turn <= a.turns or a.turn_len < 1 or a.turn_output < 1 or a.snapshot_interval % 16:
+        p.error("--ttft-from-turn must be in 1..--turns; --turn-len and --turn-output >= 1; --snapshot-interval a "
+                "multiple of the page size (16)")
     return a
 
 
 def write_model(name: str, size: str, dst: Path) -> torch.nn.Module:
-    """transformers' causal LM of family `name` at `size` (its own init, seed 0, fp32, eval), saved at dst."""
+    """transformers' causal LM of family `name` at `size` (its own init, seed 0, fp32, eval), saved at dst with
+    the embedded model's tokenizer (the engine's scheduler of figure 4 loads one; the figures feed token ids)."""
+    import shutil
+
     import transformers
     from transformers import AutoModelForCausalLM
+
+    from engine.models.embedded import resolve_model_path
 
     cls, sizes = FAMILIES[name]
     cfg = getattr(transformers, cls)(**COMMON, **sizes[size])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(dst)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model_path("embedded") / f, dst / f)
     return model
 
 
@@ -292,6 +317,66 @@ def pd_bytes(runner: ModelRunner, tokens: int) -> dict:
                      "ratio": (kv_bf16 + state_bf16) / dense_bf16}}
 
 
+def conversation_llm(path: Path, a: argparse.Namespace, cache: bool) -> LLM:
+    """The engine of the multi-turn figure: its own runner, the prefix cache on or off."""
+    tokens = a.turns * (a.turn_len + a.turn_output) + 256
+    return LLM(EngineConfig(model=str(path), threads=a.threads, max_total_tokens=max(4096, 2 * tokens),
+                            page_size=16, chunked_prefill_size=a.chunk, max_prefill_tokens=max(a.chunk, 2048),
+                            prefix_cache=cache, state_snapshot_interval=a.snapshot_interval))
+
+
+@torch.inference_mode()
+def conversation(llm: LLM, a: argparse.Namespace, seed: int) -> list[dict]:
+    """One conversation, a turn at a time: per turn its prompt length, TTFT (s), cached tokens and reply."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=a.turn_output, ignore_eos=True)
+    sched, rows, history = llm.scheduler, [], []
+    for t in range(a.turns):
+        history = history + prompts(1, a.turn_len, VOCAB, seed=seed * 1000 + t)[0]
+        r = Req(rid=f"t{t}", token_ids=list(history), sampling=params)
+        t0 = time.perf_counter()
+        sched.add(r)
+        while not r.output_ids and not r.finished:
+            sched.step()
+            sched.drain()
+        ttft = time.perf_counter() - t0
+        while not r.finished:
+            sched.step()
+            sched.drain()
+        if r.error:
+            raise RuntimeError(f"turn {t + 1}: {r.error}")
+        rows.append({"turn": t + 1, "prompt_tokens": len(history), "ttft_s": ttft, "cached_tokens": r.kv.cached_tokens,
+                     "output_ids": list(r.output_ids)})
+        history = history + r.output_ids
+    return rows
+
+
+def multi_turn_ttft(path: Path, a: argparse.Namespace) -> dict:
+    """Figure 4: mean TTFT of turns --ttft-from-turn.. with the prefix cache off and on (alternating rounds,
+    the cache flushed between them; best mean of each)."""
+    engines = {"off": conversation_llm(path, a, False), "on": conversation_llm(path, a, True)}
+    best: dict[str, tuple[float, list[dict]]] = {"off": (math.inf, []), "on": (math.inf, [])}
+    late = slice(a.ttft_from_turn - 1, a.turns)
+    equal = True  # both engines' replies, every round (the same conversation in a round)
+    for rnd in range(a.repeats + 1):  # round 0: warm-up
+        replies = []
+        for key, llm in engines.items():
+            llm.scheduler.kv.flush()
+            rows = conversation(llm, a, rnd)
+            replies.append([x["output_ids"] for x in rows])
+            mean = sum(x["ttft_s"] for x in rows[late]) / len(rows[late])
+            if rnd and mean < best[key][0]:
+                best[key] = (mean, rows)
+        equal = equal and replies[0] == replies[1]
+    kv = engines["on"].scheduler.kv
+    return {"turns": a.turns, "turn_len": a.turn_len, "turn_output": a.turn_output, "from_turn": a.ttft_from_turn,
+            "snapshot_interval": a.snapshot_interval, "ttft_off_s": best["off"][0], "ttft_on_s": best["on"][0],
+            "ratio": best["off"][0] / best["on"][0], "outputs_equal": equal,
+            "per_turn": {k: [{f: x[f] for f in ("turn", "prompt_tokens", "ttft_s", "cached_tokens")} for x in rows]
+                         for k, (_, rows) in best.items()},
+            "snapshot_slots": kv.snapshot_slots, "snapshots_taken": kv.snapshots_taken,
+            "state_slot_mib": kv.states.slot_bytes / 2**20}
+
+
 def run_family(name: str, a: argparse.Namespace, tmp: Path) -> dict:
     t0 = time.perf_counter()
     hf = write_model(name, a.size, tmp / name)
@@ -336,7 +421,13 @@ def run_family(name: str, a: argparse.Namespace, tmp: Path) -> dict:
           f"(wire {pd['state_wire_bytes'] / 2**20:.2f} MiB) = {pd['hybrid_wire_bytes'] / 2**20:.2f} MiB vs dense "
           f"{pd['dense_bytes'] / 2**20:.2f} MiB: "
           f"{pd['ratio']:.3f}x (bf16 serving: {pd['bf16']['ratio']:.3f}x)", flush=True)
-    row["multi_turn_ttft"] = None
+    row["multi_turn_ttft"] = mt = multi_turn_ttft(tmp / name, a)
+    cached = ", ".join(str(x["cached_tokens"]) for x in mt["per_turn"]["on"])
+    print(f"  multi-turn TTFT, turns {a.ttft_from_turn}-{a.turns} ({a.turn_len} new + {a.turn_output} reply tokens "
+          f"a turn): cache off {1e3 * mt['ttft_off_s']:.1f} ms, on {1e3 * mt['ttft_on_s']:.1f} ms, ratio "
+          f"{mt['ratio']:.2f}x; cached tokens per turn {cached}; {mt['snapshots_taken']} snapshots taken "
+          f"({mt['state_slot_mib']:.2f} MiB each, {mt['snapshot_slots']} slots)"
+          + f"; replies equal: {mt['outputs_equal']}", flush=True)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -364,7 +455,10 @@ def table(rows: list[dict]) -> None:
               f"{pd['dense_bytes'] / 2**20:>10.2f} MiB dense model {pd['ratio']:>7.3f}x  "
               f"{aim(pd['ratio'], AIMS['pd_bytes'], le=True) if pd['tokens'] == 4096 else '-'} "
               f"(bf16 serving: {pd['bf16']['ratio']:.3f}x)")
-        print(f"{'':17} {'multi-turn TTFT':15} {'n/a (prefix cache off for hybrid models)':>50}")
+        mt = r["multi_turn_ttft"]
+        print(f"{'':17} {'TTFT turns ' + str(mt['from_turn']) + '-' + str(mt['turns']):15} "
+              f"{1e3 * mt['ttft_on_s']:>11.1f} ms {1e3 * mt['ttft_off_s']:>11.1f} ms cache off "
+              f"{mt['ratio']:>9.2f}x  -")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,8 +467,6 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} CPUs, {a.threads} "
           f"threads, size {a.size}, families {', '.join(a.families)}", flush=True)
-    print("multi-turn TTFT with the state prefix cache on vs off: not measured, the prefix cache is off for hybrid "
-          "models (state snapshots at chunk-aligned lengths are issue 48's next part); written as null", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.families:
@@ -382,9 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     table(rows)
     import transformers
 
-    result = {"args": vars(a), "aims": AIMS, "families": rows, "multi_turn_ttft": None,
-              "multi_turn_ttft_note": "not possible yet: the prefix cache is off for hybrid models",
-              "threads": a.threads, "host": platform.node(), "torch": torch.__version__,
+    result = {"args": vars(a), "aims": AIMS, "families": rows, "threads": a.threads, "host": platform.node(),
+              "torch": torch.__version__,
               "transformers": transformers.__version__, "load_average_start": load,
               "load_average_end": os.getloadavg(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(a.out).write_text(json.dumps(result, indent=2))

@@ -9,7 +9,9 @@ Queues of one request:
              does not fit retracts less urgent running ones (engine.scheduling.priority.preempt)
              With the prefix cache (on unless --disable-prefix-cache), the prompt's longest cached
              page-aligned prefix (never its last token) is taken from this decode's own tree,
-             locked, and pages are reserved only for the rest.
+             locked, and pages are reserved only for the rest. Not for a hybrid recurrent model:
+             the decode never has a prompt's state at a prefix's end (it receives only the final
+             state), so it keeps no prefix cache for one (`decode_engine_config`)
              While it waits, its room is held (TransferManager.hold_room): the prefill hears that it
              is queued here and keeps it waiting, computing nothing, so its bootstrap timeout never
              ends a request this healthy decode will serve. Bounds: at most --max-queued-requests
@@ -482,12 +484,19 @@ class DecodeRole:
         self.mgr.close()
 
 
+def decode_engine_config(cfg: EngineConfig) -> EngineConfig:
+    """The engine config a decode builds its runner with: no state slots for prefix-cache snapshots
+    (a hybrid model's state arrives only at the prompt's end, so decode-side reuse, which would need
+    it at a cached prefix's end, is off for them: their KVManager here has no cache)."""
+    return dataclasses.replace(cfg, state_cache_slots=0)
+
+
 def run_decode_worker(cfg: ServerConfig,
                       make_runner: Callable[[EngineConfig], ModelRunner] = tp_runner.make_runner) -> None:
     """The decode worker process; `make_runner` builds the model runner (a TPRunner driving ranks
     1..N-1 under --tp N; tests pass a wrapper)."""
     setup_process(cfg)
-    runner = make_runner(cfg.engine)
+    runner = make_runner(decode_engine_config(cfg.engine))
     mgr = make_transfer_manager(cfg, runner, "decode")
     kv = KVManager.for_runner(runner, cfg.engine.prefix_cache, spec_for_server(cfg))
     role = DecodeRole(cfg.engine, runner, kv, mgr, local_threshold=cfg.pd.local_prefill_threshold,

@@ -255,6 +255,21 @@ class EngineConfig:
                                   "running request, each holding every recurrent layer's state (its size is logged "
                                   "at start-up and reported in /server_info); 0 = --max-running-requests. Ignored "
                                   "for attention-only models", group=MODEL)
+    state_cache_slots: int = option(
+        -1, "hybrid models with the prefix cache: recurrent-state slots kept beside the --max-state-slots ones for "
+        "the prefix cache's state snapshots (a cached prefix is reusable only up to the deepest snapshot on it). "
+        "Memory: one state slot per snapshot, each as large as a request's whole state (its size is logged at "
+        "start-up; Qwen3-Next-80B: ~75 MB, the KV of ~3000 tokens), allocated at start-up. -1 (default): as many "
+        "as --max-state-slots (the state pool doubles); 0: no snapshots, and so no prefix cache for a hybrid "
+        "model. The least recently used snapshot is dropped when a new one needs its slot. Ignored for "
+        "attention-only models and on a PD decode (which never reuses a hybrid prompt's prefix)", group=MODEL,
+        roles=SCHEDULING_ROLES)
+    state_snapshot_interval: int = option(
+        256, "hybrid models with the prefix cache: a request's state is snapshotted each time its computed length "
+        "reaches a multiple of this many tokens (in the prompt: a chunk ends at the deepest such point inside it, "
+        "at most one a chunk; in decode: every multiple), and once at its prompt's last page boundary (a "
+        "conversation's next turn resumes there). Must be a multiple of --page-size. Smaller: finer reuse, more "
+        "snapshots (each one state slot of --state-cache-slots)", group=MODEL, roles=SCHEDULING_ROLES)
     context_length: int = option(0, "max prompt+output tokens (0: the model's)", group=MODEL)
     attention_backend: str = option(
         "auto", "attention kernels. auto: triton on cuda; cpu for float32 on a CPU, else torch. cpu: native C "
@@ -361,6 +376,8 @@ class EngineConfig:
         need(self.max_prefill_tokens >= 1, "--max-prefill-tokens must be >= 1")
         need(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         need(self.max_state_slots >= 0, "--max-state-slots must be >= 0")
+        need(self.state_cache_slots >= -1, "--state-cache-slots must be >= 0 (or -1: as many as --max-state-slots)")
+        need(self.state_snapshot_interval >= 1, "--state-snapshot-interval must be >= 1")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),
@@ -410,6 +427,18 @@ class EngineConfig:
         need(not devices or len(devices) == self.tp // self.nnodes,
              f"--tp-devices must list {self.tp // self.nnodes} devices (one per rank on this node), "
              f"got {self.tp_devices!r}")
+
+    @property
+    def state_request_slots(self) -> int:
+        """A hybrid model's state slots for requests (--max-state-slots, default --max-running-requests)."""
+        return self.max_state_slots or self.max_running_requests
+
+    @property
+    def state_snapshot_slots(self) -> int:
+        """A hybrid model's state slots for the prefix cache's snapshots (0 without the prefix cache)."""
+        if not self.prefix_cache:
+            return 0
+        return self.state_request_slots if self.state_cache_slots < 0 else self.state_cache_slots
 
     @property
     def num_pages(self) -> int:

@@ -70,6 +70,9 @@ class KVState:
     # hybrid models (engine/recurrent/state_pool.py): the recurrent-state slot, valid at kv_len tokens
     state_slot: int = -1  # -1: none held
     host_state: Any = None  # torch uint8 [slot bytes]: the state's host copy while retracted
+    # prefix cache on a hybrid model: (tokens, slot) state snapshots this request took, deepest last; they go
+    # into the tree with its pages at release (engine.kvcache.kv_manager.KVManager.checkpoint)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -22,6 +22,13 @@ class PrefixCacheStats:
     # host/disk tiers (engine/kvcache/hicache): {stat: {tier: value}} for hit_tokens, loaded_bytes, load_seconds,
     # evictions (totals) and bytes_in_use (level); empty without tiers
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+    # hybrid models (engine.kvcache.kv_manager, state snapshots): slots holding a snapshot (in the tree or held by
+    # running requests until they end) out of state_snapshot_slots (--state-cache-slots; levels), snapshots taken
+    # and dropped (totals)
+    state_snapshots: int = 0
+    state_snapshot_slots: int = 0
+    state_snapshots_taken: int = 0
+    state_snapshots_evicted: int = 0
 
 
 @dataclass
@@ -34,7 +41,7 @@ class SchedulerStats:
     kv_used_tokens: int = 0  # level
     kv_total_tokens: int = 0  # level (constant: the pool's size)
     host_kv_used_pages: int = 0  # level: pages of the host (offload) pool in use
-    state_slots_used: int | None = None  # level: hybrid models' recurrent-state slots in use (None: no state pool)
+    state_slots_used: int | None = None  # level: hybrid models' state slots requests hold (None: no state pool)
     retractions: int = 0  # total
     reloads: int = 0  # total: retracted requests whose KV came back from the host pool
     forward_tokens: int = 0  # total: tokens run through the model

@@ -184,6 +184,7 @@ class PrefillRole:
         r = room.req
         if r.trace is not None:
             r.trace.ensure("kv_transfer", room=r.pd.room, page_bytes=self.page_bytes)
+        self.kv.checkpoint(r)  # hybrid models with the prefix cache: a state snapshot at a snapshot point
         try:
             if it.completes_prompt:
                 meta = {"room": r.pd.room, "first_token": r.token_ids[r.num_prompt_tokens],
@@ -272,7 +273,7 @@ class PrefillRole:
             queued_prompt_tokens=sum(room.req.num_prompt_tokens - room.req.kv.kv_len
                                      for room in (*self.bootstrap, *self.waiting) if not room.sender.queued_at),
             kv=KVStats(used_tokens=self.kv.used_tokens, total_tokens=self.kv.pool.total_tokens,
-                       state_slots_used=None if self.kv.states is None else self.kv.states.num_used),
+                       state_slots_used=None if self.kv.states is None else self.kv.slots_used),
             active_rooms=self.mgr.active_rooms(),
             counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined,
                               rooms_kept_queued=link.kept_queued),

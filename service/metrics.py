@@ -44,7 +44,7 @@ PREFIX = "pdserve_worker_"
 # numbers of the worker's static description exported as gauges pdserve_worker_<key>
 INFO_GAUGES = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "context_length", "page_size",
                "max_total_tokens", "host_kv_tokens", "kv_bytes_per_token", "bootstrap_port", "state_slots",
-               "state_bytes_per_slot")
+               "state_bytes_per_slot", "state_snapshot_slots")
 
 Value = float | dict[str, float] | Histo | None
 
@@ -144,8 +144,9 @@ WORKER_METRICS: tuple[WorkerMetric, ...] = (
     _gauge("kv_used_tokens", "KV pool tokens in use", lambda s: s.kv.used_tokens),
     _gauge("kv_total_tokens", "KV pool size in tokens", lambda s: s.kv.total_tokens),
     _gauge("host_kv_used_pages", "host (offload) KV pool pages in use", lambda s: s.kv.host_used_pages),
-    _gauge("state_slots_used", "hybrid models: recurrent-state slots in use (one per running request; "
-           "their number is state_slots in /server_info)", lambda s: s.kv.state_slots_used),
+    _gauge("state_slots_used", "hybrid models: recurrent-state slots requests hold (one per running request; "
+           "the pool's size is state_slots in /server_info, prefix-cache snapshots apart: "
+           "pdserve_worker_prefix_state_snapshots)", lambda s: s.kv.state_slots_used),
     _gauge("kv_usage", "decode: share of the KV pool in use (0..1), an autoscaling signal", lambda s: s.kv.usage),
     _gauge("queued_prompt_tokens", "prefill: prompt tokens still to prefill, an autoscaling signal",
            lambda s: s.queued_prompt_tokens),
@@ -156,6 +157,14 @@ WORKER_METRICS: tuple[WorkerMetric, ...] = (
     _counter("prefix_hit_tokens_total", "prompt tokens served from the prefix cache", lambda s: s.prefix.hit_tokens),
     _counter("prefix_evicted_tokens_total", "tokens evicted from the prefix cache",
              lambda s: s.prefix.evicted_tokens),
+    _gauge("prefix_state_snapshots", "hybrid models: recurrent-state snapshots of the prefix cache, in the tree or "
+           "held by running requests (one state slot each, out of --state-cache-slots)",
+           lambda s: s.prefix.state_snapshots if s.prefix.state_snapshot_slots else None),
+    _counter("prefix_state_snapshots_taken_total", "hybrid models: recurrent-state snapshots taken",
+             lambda s: s.prefix.state_snapshots_taken if s.prefix.state_snapshot_slots else None),
+    _counter("prefix_state_snapshots_evicted_total", "hybrid models: recurrent-state snapshots dropped from the "
+             "prefix cache (alone, or with their page)",
+             lambda s: s.prefix.state_snapshots_evicted if s.prefix.state_snapshot_slots else None),
     *_hicache_metrics(),
     *_spec_metrics(),
     *(_counter_field(f.name) for f in fields(Counters)),

@@ -169,6 +169,10 @@ def internal_state(info: dict[str, Any], s: WorkerStats | None) -> dict[str, Any
         "prefix_hit_tokens": s.prefix.hit_tokens,
         "prefix_evicted_tokens": s.prefix.evicted_tokens,
         **({"hicache": s.prefix.tiers} if s.prefix.tiers else {}),
+        **({"prefix_state_snapshots": {"in_use": s.prefix.state_snapshots, "slots": s.prefix.state_snapshot_slots,
+                                       "taken": s.prefix.state_snapshots_taken,
+                                       "evicted": s.prefix.state_snapshots_evicted}}
+           if s.prefix.state_snapshot_slots else {}),
         **_transfer_info(s),
         **({"speculative": _spec_info(s.spec)} if s.spec is not None else {}),
         "time": s.time,

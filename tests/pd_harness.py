@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from colocated_service.worker import ColocatedRole
-from decode_service.worker import DecodeRole
+from decode_service.worker import DecodeRole, decode_engine_config
 from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.hicache import HiCacheSpec
@@ -129,7 +129,7 @@ class PDPair:
         longer than 3 heartbeats (a real model) needs a larger `heartbeat_s`."""
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=heartbeat_s)
         dcfg = decode_cfg or cfg
-        p_runner, d_runner = ModelRunner(cfg), ModelRunner(dcfg)
+        p_runner, d_runner = ModelRunner(cfg), ModelRunner(decode_engine_config(dcfg))  # as run_decode_worker
         self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner, decode_cache)
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")

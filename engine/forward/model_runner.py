@@ -103,8 +103,9 @@ class ModelRunner:
         return pool, host
 
     def _state_pool(self, shard: Shard) -> StatePool | None:
-        """One state slot per running request (--max-state-slots, default --max-running-requests) when
-        the model has recurrent layers (its `state_spec()`: this rank's conv and recurrent states)."""
+        """One state slot per running request (--max-state-slots, default --max-running-requests), plus
+        --state-cache-slots for the prefix cache's state snapshots when it is on, when the model has
+        recurrent layers (its `state_spec()`: this rank's conv and recurrent states)."""
         spec_of = getattr(self.model, "state_spec", None)
         if spec_of is None:
             return None
@@ -112,15 +113,23 @@ class ModelRunner:
         refused = [(bool(cfg.spec.speculative), "--speculative (a rejected draft would need the state "
                     "before it: per-position state checkpoints are not implemented)"),
                    (bool(cfg.lora_paths or cfg.max_loaded_loras), "LoRA adapters (--lora-paths, --max-loaded-loras)"),
-                   (bool(cfg.hicache_host_tokens), "--hicache-host-tokens (the prefix cache is off for these models: a "
-                    "cached prefix needs the recurrent state at its end)")]
+                   (bool(cfg.hicache_host_tokens), "--hicache-host-tokens (their prefix cache restarts from recurrent-"
+                    "state snapshots, which live only on the device: a prefix brought back from the host would have "
+                    "no state at its end)")]
         for bad, flag in refused:
             if bad:
                 raise ValueError(f"{what}; {flag} is not supported with them yet")
         spec: StateSpec = spec_of()
-        slots = cfg.max_state_slots or cfg.max_running_requests
-        pool = shard.state_pool(spec, slots, self.device)
-        log.info("recurrent state: %d slots of %.2f MB (%d parts)", slots, pool.slot_bytes / 2**20, len(spec.parts))
+        slots = cfg.state_request_slots
+        snaps = 0 if self.model_cfg.max_window else cfg.state_snapshot_slots  # windowed: no prefix cache
+        if snaps and cfg.state_snapshot_interval % cfg.page_size:
+            raise ValueError(f"{what}; their prefix cache snapshots the state at multiples of "
+                             f"--state-snapshot-interval ({cfg.state_snapshot_interval}), which must be a multiple of "
+                             f"--page-size ({cfg.page_size}) (or --state-cache-slots 0: no prefix cache for them)")
+        pool = shard.state_pool(spec, slots + snaps, self.device)
+        log.info("recurrent state: %d slots for requests + %d for prefix-cache snapshots (every %d tokens), "
+                 "%.2f MB each (%d parts)", slots, snaps, cfg.state_snapshot_interval, pool.slot_bytes / 2**20,
+                 len(spec.parts))
         return pool
 
     @property
@@ -212,5 +221,6 @@ class ModelRunner:
             "kv_bytes_per_token": self.pool.page_bytes // self.page_size,
             "state_slots": 0 if self.states is None else self.states.capacity,  # hybrid models' recurrent state
             "state_bytes_per_slot": 0 if self.states is None else self.states.slot_bytes,
+            "state_snapshot_slots": 0 if self.states is None else self.states.capacity - self.cfg.state_request_slots,
             **lora_registry.info(self.lora),
         }

@@ -13,12 +13,13 @@ the request runs and leaves 0 (the reserved page) in their place in `req.kv.page
 by position; `req.kv.dropped_pages` counts them. A long generation then holds O(window) pages, and
 retraction offloads only the live ones.
 
-Prefix cache (`prefix_cache=True`, full-attention models only: a sliding window frees pages a later
-request would share, so a windowed model runs without it): `match` gives a new request the pages of
-its longest cached page-aligned prefix (`engine/kvcache/radix_cache.py`), locked, as the first
-`req.kv.shared_pages` entries of `req.kv.pages`, and sets `kv_len`/`cached_tokens` so only the rest is
-computed. `release` inserts the request's full pages into the tree (the tree takes them; duplicates
-and the partial last page are freed) and unlocks. The tree's unlocked pages count as free
+Prefix cache (`prefix_cache=True`; not on sliding-window models: a sliding window frees pages a later
+request would share, so a windowed model runs without it; hybrid models: with state snapshots, below):
+`match` gives a new request the pages of its longest cached page-aligned prefix
+(`engine/kvcache/radix_cache.py`), locked, as the first `req.kv.shared_pages` entries of
+`req.kv.pages`, and sets `kv_len`/`cached_tokens` so only the rest is computed.
+`release` inserts the request's full pages into the tree (the tree takes them; duplicates and the
+partial last page are freed) and unlocks. The tree's unlocked pages count as free
 (`free_pages`): allocation evicts them, LRU, when the free list runs short, so the admission rule
 needs no second form. Retraction copies the shared pages to the host too and drops the lock (a
 retracted request holds no device page); the cache keeps them, evictable.
@@ -34,8 +35,18 @@ also holds one state slot, valid at `kv_len` tokens. `grow` takes the slots of a
 forks at its admission (the forks' slots wait for the fork, so a computed prompt never waits for a
 slot), the admission rule counts free slots beside pages, `fork` copies the parent's slot, retraction
 saves the slot to the host with the KV and frees it, reload takes a fresh one, `release` frees it.
-The prefix cache is off for these models (a cached prefix would need the state at its end: issue
-48's snapshots); the private tree still shares forks' prompt pages.
+
+State snapshots (hybrid models with the prefix cache; `snapshot_slots` > 0, else the cache is off for
+them and the private tree still shares forks' prompt pages): a cached prefix is reusable only with
+the recurrent state at its end. `checkpoint`, after every forward, copies a request's slot into a
+snapshot slot when its computed length is a multiple of `snapshot_interval` or its prompt's last page
+boundary (`snapshot_points`; `snapshot_cut` makes prompt chunks end there); the request keeps them
+(`req.kv.snapshots`) until `release` hands them to the tree with its pages (`RadixCache.attach_states`;
+freed when it inserts nothing). `match` takes the longest match cut back to its deepest snapshot and
+copies that snapshot into the request's own slot. Snapshot slots have their own budget
+(`snapshot_slots`, --state-cache-slots, beside the requests' --max-state-slots): the admission rule
+counts only the requests' share (`free_slots`), a new snapshot beyond the budget replaces the least
+recently used cached one (none cached: it is not taken), and a node evicted frees its snapshot.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 
 class KVManager:
     def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
-                 hicache: HiCacheSpec | None = None, states: StatePool | None = None) -> None:
+                 hicache: HiCacheSpec | None = None, states: StatePool | None = None, snapshot_slots: int = 0,
+                 snapshot_interval: int = 0) -> None:
         self.pool = pool
         self.states = states  # hybrid models' recurrent-state slots (None: attention only)
         self.host = host_pool
@@ -70,9 +82,18 @@ class KVManager:
         self.reloads = 0
         self.trimmed_pages = 0  # pages freed because they fell out of every layer's window
         self.hit_tokens = 0  # prompt tokens taken from the prefix cache instead of computed
-        use_cache = prefix_cache and not window and states is None
-        self.cache = RadixCache(self.page_size, pool.allocator.free) if use_cache else None
+        # hybrid models: the pool's slots kept for the cache's state snapshots (the rest are the requests')
+        snaps = snapshot_slots if states is not None else 0
+        use_cache = prefix_cache and not window and (states is None or (snaps > 0 and snapshot_interval > 0))
+        self.snapshot_slots = snaps if use_cache else 0
+        self.request_slots = 0 if states is None else states.capacity - snaps  # --max-state-slots
+        self.snapshot_interval = snapshot_interval
+        self.snapshots_held = 0  # snapshot slots held by requests (not yet in the tree)
+        self.snapshots_taken = 0  # total
+        self.cache = RadixCache(self.page_size, pool.allocator.free, self._free_states) if use_cache else None
         if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/kvcache/hicache)
+            if states is not None:
+                raise ValueError("the host tier of the prefix cache cannot hold recurrent-state snapshots")
             self.cache = build_cache(hicache, pool)
         # the tree forked choices share prompt pages through (the cache, else private; None: copy)
         self.tree = self.cache if self.cache is not None else \
@@ -80,9 +101,13 @@ class KVManager:
 
     @classmethod
     def for_runner(cls, runner: Any, prefix_cache: bool, hicache: HiCacheSpec | None = None) -> KVManager:
-        """The manager of a runner's pools (device, host and, for a hybrid model, its state slots)."""
-        return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache,
-                   getattr(runner, "states", None))
+        """The manager of a runner's pools (device, host and, for a hybrid model, its state slots: the
+        requests' --max-state-slots, the rest the prefix cache's snapshots)."""
+        states = getattr(runner, "states", None)
+        if states is None:
+            return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache)
+        return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache, states,
+                   states.capacity - runner.cfg.state_request_slots, runner.cfg.state_snapshot_interval)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -96,7 +121,15 @@ class KVManager:
             limit = min(limit, max(req.logprobs.start_len, 1) - 1)
         if req.features.hidden:  # every prompt position's hidden state is computed (engine.extras.features)
             limit = 0
-        if isinstance(self.cache, HiRadixCache):  # loads host/disk pages of the prefix into device pages
+        if self.states is not None:  # up to the deepest state snapshot, copied into req's own slot
+            if limit < self.page_size or not self.slots_free_for(req):
+                return 0  # (no slot: it is not admitted now anyway)
+            hit = self.cache.match(req.token_ids, limit, req.cache_namespace, need_state=True)
+            if not hit.pages:
+                return 0
+            self.take_slots(req, forks=False)
+            self.states.copy(hit.node.state, req.kv.state_slot)
+        elif isinstance(self.cache, HiRadixCache):  # loads host/disk pages of the prefix into device pages
             hit = self.cache.fetch(req.token_ids, limit, req.cache_namespace, self._allocate,
                                    pages_for(len(req.token_ids), self.page_size))
         else:
@@ -117,6 +150,7 @@ class KVManager:
         self._unlock(req)
         self.hit_tokens -= req.kv.kv_len
         req.kv.pages, req.kv.kv_len, req.kv.cached_tokens = [], 0, 0
+        self._free_slot(req)  # a hybrid model's slot, which took the snapshot
 
     def unreserve(self, req: Req) -> None:
         """Give back what a request reserved but never filled (its own pages) and undo its match: a
@@ -131,10 +165,12 @@ class KVManager:
         """Tokens of req a match would take from the cache now (read-only; the lpm policy's key)."""
         if self.cache is None:
             return 0
-        return self.cache.match_len(req.token_ids, len(req.token_ids) - 1, req.cache_namespace)
+        return self.cache.match_len(req.token_ids, len(req.token_ids) - 1, req.cache_namespace,
+                                    need_state=self.states is not None)
 
     def flush(self) -> int:
-        """Drop every unlocked cached page (the caller checks the service is idle); returns pages."""
+        """Drop every unlocked cached page and every cached state snapshot (the caller checks the
+        service is idle); returns pages."""
         return 0 if self.cache is None else self.cache.flush()
 
     def cache_stats(self) -> PrefixCacheStats:
@@ -142,7 +178,86 @@ class KVManager:
         return PrefixCacheStats(cached_tokens=0 if c is None else c.cached_pages * self.page_size,
                                 hit_tokens=self.hit_tokens,
                                 evicted_tokens=0 if c is None else c.evicted_pages * self.page_size,
-                                tiers=c.tier_stats(self.hit_tokens) if isinstance(c, HiRadixCache) else {})
+                                tiers=c.tier_stats(self.hit_tokens) if isinstance(c, HiRadixCache) else {},
+                                state_snapshots=self.snapshots_held + self.cached_snapshots,
+                                state_snapshot_slots=self.snapshot_slots,
+                                state_snapshots_taken=self.snapshots_taken,
+                                state_snapshots_evicted=0 if c is None else c.evicted_states)
+
+    # ---- state snapshots (hybrid models) ----------------------------------------------------------
+    @property
+    def cached_snapshots(self) -> int:
+        """State snapshots the tree holds (each one slot; all of them droppable)."""
+        return 0 if self.cache is None else self.cache.snapshots
+
+    def snapshot_points(self, req: Req) -> tuple[int, int]:
+        """(interval, prompt point) of req's snapshots: lengths that are multiples of the interval, and
+        its prompt's last page boundary. (0, 0): it takes none (no state snapshots here)."""
+        if not self.snapshot_slots:
+            return 0, 0
+        return self.snapshot_interval, req.num_prompt_tokens // self.page_size * self.page_size
+
+    def _snapshot_room(self) -> bool:
+        """Whether a new snapshot can get a slot (a free one of the budget, or a cached one's)."""
+        return self.snapshots_held + self.cached_snapshots < self.snapshot_slots or self.cached_snapshots > 0
+
+    def snapshot_cut(self, req: Req, n: int) -> int:
+        """Tokens of req's next prompt chunk of up to `n` to compute now: the chunk ends at the
+        deepest snapshot point inside it (so the state there can be copied after the forward), else n.
+        At most one snapshot a chunk: a chunk longer than the interval is not split further."""
+        every, prompt_point = self.snapshot_points(req)
+        if not every or not self._snapshot_room():
+            return n
+        start, end = req.kv.kv_len, req.kv.kv_len + n
+        cut = (end - 1) // every * every
+        if start < prompt_point < end:
+            cut = max(cut, prompt_point)
+        return cut - start if cut > start else n
+
+    def checkpoint(self, req: Req) -> bool:
+        """After a forward: snapshot req's state if its computed length (kv_len) is a snapshot point it
+        has not snapshotted and the cache does not give it (a copy of its slot into a snapshot slot,
+        kept in req.kv.snapshots until `release`). Returns whether it took one."""
+        every, prompt_point = self.snapshot_points(req)
+        n = req.kv.kv_len
+        if not every or n <= req.kv.cached_tokens or req.kv.state_slot < 0 or (n % every and n != prompt_point):
+            return False
+        if req.kv.snapshots and req.kv.snapshots[-1][0] >= n:
+            return False
+        slot = self._snapshot_slot()
+        if slot < 0:
+            return False
+        self.states.copy(req.kv.state_slot, slot)  # type: ignore[union-attr]
+        req.kv.snapshots.append((n, slot))
+        self.snapshots_held += 1
+        self.snapshots_taken += 1
+        return True
+
+    def _snapshot_slot(self) -> int:
+        """A state slot for a new snapshot within the budget (the least recently used cached snapshot
+        dropped when the budget is full); -1 when every snapshot slot is held by a request."""
+        assert self.cache is not None and self.states is not None
+        if self.snapshots_held + self.cache.snapshots >= self.snapshot_slots and not self.cache.evict_states(1):
+            return -1
+        if not self.states.num_free:  # only a scratch slot taken past the admission rule can do this
+            return -1
+        return self.states.allocate(1)[0]
+
+    def _free_states(self, slots: list[int]) -> None:
+        self.states.free(slots)  # type: ignore[union-attr]
+
+    def _drop_snapshots(self, req: Req, node: Any = None, depth: int = 0) -> None:
+        """req's snapshots go to the tree's nodes on the path to `node` (`depth` pages), or are freed."""
+        snaps, req.kv.snapshots = req.kv.snapshots, []
+        if not snaps:
+            return
+        self.snapshots_held -= len(snaps)
+        if node is None:
+            left = [slot for _, slot in snaps]
+        else:
+            left = self.cache.attach_states(node, depth, snaps)  # type: ignore[union-attr]
+        if left:
+            self.states.free(left)  # type: ignore[union-attr]
 
     def _allocate(self, n: int) -> list[int]:
         alloc = self.pool.allocator
@@ -194,9 +309,9 @@ class KVManager:
         its `forks` other choices take once it is computed), or None. `chunk` is the largest prompt
         chunk one step computes (0: the whole prompt at once)."""
         cap = self.pool.allocator.capacity
-        if self.states is not None and forks + 1 > self.states.capacity:
+        if self.states is not None and forks + 1 > self.request_slots:
             return (f"the request's {forks + 1} choices need {forks + 1} recurrent-state slots at once; the "
-                    f"state pool holds {self.states.capacity} (--max-state-slots)")
+                    f"state pool holds {self.request_slots} for requests (--max-state-slots)")
         if self.peak_pages(prompt_tokens, chunk or prompt_tokens) > cap:
             return f"the prompt has {prompt_tokens} tokens; the KV pool holds {cap * self.page_size}"
         need = pages_for(prompt_tokens, self.page_size) - self.window_start(prompt_tokens) + \
@@ -235,18 +350,35 @@ class KVManager:
             return 0
         return sum(1 for c in (req, *req.choice.forks) if c.kv.state_slot < 0)
 
+    @property
+    def slots_used(self) -> int:
+        """State slots requests (and scratch computations) hold; snapshots not counted."""
+        if self.states is None:
+            return 0
+        return self.states.num_used - self.snapshots_held - self.cached_snapshots
+
+    @property
+    def free_slots(self) -> int:
+        """State slots a request can take now: the requests' share of the pool (--max-state-slots) less
+        what they hold. Snapshots have their own share, so they never stand in a request's way (and a
+        request never evicts one)."""
+        if self.states is None:
+            return 0
+        return self.request_slots - self.slots_used
+
     def slots_free_for(self, req: Req) -> bool:
-        return self.states is None or self.slots_needed(req) <= self.states.num_free
+        return self.states is None or self.slots_needed(req) <= self.free_slots
 
     def slots_free_for_scratch(self) -> bool:
         """Whether a computation outside any request (an embedding) can take a state slot now."""
-        return self.states is None or self.states.num_free > 0
+        return self.states is None or self.free_slots > 0
 
-    def take_slots(self, req: Req) -> None:
-        """Give req and its forks a state slot each (hybrid models; the caller checked slots_free_for)."""
+    def take_slots(self, req: Req, forks: bool = True) -> None:
+        """Give req and (`forks`) its forks a state slot each (hybrid models; the caller checked
+        slots_free_for)."""
         if self.states is None:
             return
-        for c in (req, *req.choice.forks):
+        for c in (req, *req.choice.forks) if forks else (req,):
             if c.kv.state_slot < 0:
                 c.kv.state_slot = self.states.allocate(1)[0]
 
@@ -292,9 +424,11 @@ class KVManager:
         own = req.kv.pages[self._head(req) :]
         if self.cache is not None and req.kv.pages and not req.kv.host_pages:
             full = min(req.kv.kv_len // self.page_size, len(req.kv.pages))
-            _, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages,
-                                       req.cache_namespace)
+            node, dup = self.cache.insert(req.token_ids, req.kv.pages[:full], req.kv.shared_pages,
+                                          req.cache_namespace)
             own = dup + req.kv.pages[max(full, req.kv.shared_pages) :]
+            self._drop_snapshots(req, node, full)  # hybrid models: its snapshots go to the nodes at their lengths
+        self._drop_snapshots(req)  # none inserted: freed
         if own:
             self.pool.allocator.free(own)
         req.kv.pages = []
@@ -372,10 +506,6 @@ class KVManager:
     def can_offload(self, req: Req) -> bool:
         return self.host.can_hold(len(req.kv.pages) - req.kv.dropped_pages)
 
-    @property
-    def slots_used(self) -> int:
-        return 0 if self.states is None else self.states.num_used
-
     def offload(self, req: Req) -> None:
         """Retract: copy the request's live KV pages to the host pool and free its own device pages.
         Shared (cached) pages are copied too and unlocked, not freed: a retracted request holds
@@ -396,7 +526,7 @@ class KVManager:
 
     def can_reload(self, req: Req, extra_tokens: int = 1) -> bool:
         return pages_for(req.kv.kv_len + extra_tokens, self.page_size) - len(req.kv.pages) <= self.free_pages \
-            and (self.states is None or req.kv.host_state is None or self.states.num_free > 0)
+            and (self.states is None or req.kv.host_state is None or self.free_slots > 0)
 
     def reload(self, req: Req) -> None:
         """Bring a retracted request's KV back into fresh device pages; host pages are freed."""

@@ -20,6 +20,13 @@ at it (only device pages are handed out). Device residence is prefix-closed (a n
 has its parent on the device), and `insert` gives a host-only node the inserting request's device
 page. Without tiers every node holds a device page and `host` stays -1.
 
+State snapshots (hybrid recurrent models, engine.kvcache.kv_manager): a node may also hold a recurrent-state
+slot (`state` >= 0), a copy of the state of a sequence of exactly its prefix's tokens. `match(need_state=True)`
+stops at the deepest node of the matched path that holds one (a hybrid model can restart only there);
+`attach_states` gives nodes the snapshots a finished request took. A snapshot is never locked (a request
+that matched it took a copy), so any can be dropped alone (`evict_states`, least recently used first); a
+node evicted takes its snapshot with it. Slots go back through `free_states`; `snapshots` counts them.
+
 Events (engine/kvcache/events, docs/kv_events.md): with `events` set (a KVEventRecorder), every page the
 tree gains or loses on a medium is reported (`_stored`, `_removed`: "GPU" here, "CPU" for the host tier)
 and a flush that empties the tree reports it cleared.
@@ -34,7 +41,8 @@ from typing import NamedTuple, Protocol
 
 
 class Node:
-    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash", "block_hash")
+    __slots__ = ("parent", "key", "page", "children", "lock_ref", "last_access", "host", "hash", "block_hash",
+                 "state")
 
     def __init__(self, parent: Node | None, key: tuple, page: int) -> None:
         self.parent = parent
@@ -46,6 +54,7 @@ class Node:
         self.host = -1  # host-tier page holding a copy (engine/kvcache/hicache; -1: none)
         self.hash: bytes | None = None  # chained page hash (disk tier key), computed on first use
         self.block_hash: int | None = None  # KV event block hash (engine/kvcache/events), set when first reported
+        self.state = -1  # hybrid models: the state slot holding the recurrent state at this prefix's end (-1: none)
 
 
 class Match(NamedTuple):
@@ -65,11 +74,16 @@ GPU, CPU = "GPU", "CPU"  # media of KV events: the device tier, the host tier (v
 
 
 class RadixCache:
-    """`free_pages(pages)` hands evicted pages back to the allocator; `events` (None: off) hears every change."""
+    """`free_pages(pages)` hands evicted pages back to the allocator, `free_states(slots)` dropped state
+    snapshots back to the state pool (hybrid models); `events` (None: off) hears every change."""
 
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None],
+                 free_states: Callable[[list[int]], None] | None = None) -> None:
         self.page_size = page_size
         self.free_pages = free_pages
+        self.free_states = free_states
+        self.snapshots = 0  # nodes holding a state snapshot (each one state slot)
+        self.evicted_states = 0  # counter: snapshots dropped (alone or with their node) since start
         self.root = Node(None, (), 0)
         self.root.lock_ref = 1  # never evicted, never counted
         self.cached_pages = 0
@@ -95,10 +109,13 @@ class RadixCache:
             keys[0] = (namespace, *keys[0])
         return keys
 
-    def match(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> Match:
+    def match(self, ids: list[int], max_tokens: int | None = None, namespace: str = "",
+              need_state: bool = False) -> Match:
         """Longest cached page-aligned prefix of ids[:max_tokens] in `namespace`; touches the path
-        (LRU)."""
+        (LRU). `need_state`: cut back to the deepest node of that path holding a state snapshot (the
+        root, no pages, when none does)."""
         node, pages, now = self.root, [], next(self._clock)
+        best = (0, self.root)  # (pages, node) of the deepest snapshot so far
         for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             child = node.children.get(key)
             if child is None or child.page < 0:
@@ -106,18 +123,26 @@ class RadixCache:
             node = child
             node.last_access = now
             pages.append(node.page)
+            if node.state >= 0:
+                best = (len(pages), node)
+        if need_state:
+            return Match(pages[: best[0]], best[1])
         return Match(pages, node)
 
-    def match_len(self, ids: list[int], max_tokens: int | None = None, namespace: str = "") -> int:
+    def match_len(self, ids: list[int], max_tokens: int | None = None, namespace: str = "",
+                  need_state: bool = False) -> int:
         """Tokens of ids[:max_tokens] a match would reuse (read-only: no LRU touch); with tiers,
-        pages held on the host count too (a match loads them)."""
-        node, n = self.root, 0
+        pages held on the host count too (a match loads them). `need_state`: up to the deepest
+        snapshot only."""
+        node, n, best = self.root, 0, 0
         for key in self._keys(ids, len(ids) if max_tokens is None else max_tokens, namespace):
             node = node.children.get(key)  # type: ignore[assignment]
             if node is None:
                 break
             n += self.page_size
-        return n
+            if node.state >= 0:
+                best = n
+        return best if need_state else n
 
     # ---- locks --------------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
@@ -165,6 +190,64 @@ class RadixCache:
         self._stored(new)
         return node, dup
 
+    # ---- state snapshots (hybrid models) ---------------------------------------------------------
+    def attach_states(self, node: Node, depth: int, states: list[tuple[int, int]]) -> list[int]:
+        """Give the nodes on the path to `node` (`depth` pages deep) the snapshots `states` ((tokens,
+        slot): the state after exactly that many tokens of this path, a multiple of the page size, at
+        most depth pages) a request took. A node that holds one already keeps its own. Returns the
+        slots not taken (the caller frees them)."""
+        at: dict[int, int] = {}
+        left: list[int] = []
+        for tokens, slot in states:
+            d = tokens // self.page_size
+            if 0 < d <= depth and tokens % self.page_size == 0 and d not in at:
+                at[d] = slot
+            else:
+                left.append(slot)
+        while node is not self.root and at:
+            slot = at.pop(depth, None)
+            if slot is not None:
+                if node.state < 0:
+                    node.state = slot
+                    self.snapshots += 1
+                else:
+                    left.append(slot)
+            node = node.parent  # type: ignore[assignment]
+            depth -= 1
+        return left + list(at.values())
+
+    def evict_states(self, n: int) -> int:
+        """Drop up to n state snapshots, least recently used nodes first, the deeper of two used together
+        first (as leaves go before their parents; their pages stay). Returns how many were dropped."""
+        if n <= 0 or not self.snapshots:
+            return 0
+        held = [(x.last_access, -depth, id(x), x) for x, depth in self._depths() if x.state >= 0]
+        victims = [x for *_, x in heapq.nsmallest(n, held)]
+        self._drop_states(victims)
+        return len(victims)
+
+    def _depths(self) -> list[tuple[Node, int]]:
+        """Every node with its depth in pages."""
+        out, stack = [], [(c, 1) for c in self.root.children.values()]
+        while stack:
+            x, d = stack.pop()
+            out.append((x, d))
+            stack.extend((c, d + 1) for c in x.children.values())
+        return out
+
+    def _drop_states(self, nodes: list[Node]) -> None:
+        slots = [x.state for x in nodes if x.state >= 0]
+        for x in nodes:
+            x.state = -1
+        if slots:
+            self.snapshots -= len(slots)
+            self.evicted_states += len(slots)
+            assert self.free_states is not None, "a state snapshot in a tree that cannot free it"
+            self.free_states(slots)
+
+    def _nodes(self) -> list[Node]:
+        return [x for x, _ in self._depths()]
+
     # ---- eviction -----------------------------------------------------------------------------
     def evict(self, n: int) -> int:
         """Free at least n unlocked pages, least recently used leaves first (fewer when fewer are
@@ -189,11 +272,16 @@ class RadixCache:
         self.evictable_pages -= len(freed)
         self.evicted_pages += len(freed)
         self.free_pages(freed)
+        if self.snapshots:  # a node evicted drops its state snapshot
+            self._drop_states(gone)
         return len(freed)
 
     def flush(self) -> int:
-        """Evict everything unlocked (reported cleared when nothing is left); returns pages freed."""
+        """Evict everything unlocked (reported cleared when nothing is left) and every state snapshot
+        (locked nodes' too: a snapshot is never in use); returns pages freed."""
         freed = self.evict(self.evictable_pages)
+        if self.snapshots:
+            self._drop_states(self._nodes())
         self._flushed()
         return freed
 

@@ -30,6 +30,11 @@ class ExtendPlanner:
 
     A new request first takes its cached prefix (KVManager.match); if it is then not admitted, the
     match is undone (KVManager.unmatch), so a waiting request holds no lock.
+
+    Hybrid models with the prefix cache: a chunk ends at the deepest state snapshot point inside it
+    (KVManager.snapshot_cut), so the state there can be snapshotted after the forward. Its pages are
+    still allocated for the whole chunk (the rest runs next step: nothing admitted behind it can take
+    them), and a chunk cut only there does not end the batch.
     """
 
     def __init__(self, kv: KVManager, cfg: EngineConfig, reserve: bool = True) -> None:
@@ -58,9 +63,10 @@ class ExtendPlanner:
                 break
             kv.grow(r, n)
             reserved += self.promised(r, n, new)  # the forks' pages are taken right after this step's forward
-            budget -= n
-            items.append(ExtendItem(r, n))
-            if not items[-1].completes_prompt:
+            cut = kv.snapshot_cut(r, n)  # n, or fewer: the chunk ends at a state snapshot point
+            budget -= cut
+            items.append(ExtendItem(r, cut))
+            if r.kv.kv_len + n < len(r.token_ids):  # a partial chunk (cut by a limit) ends the batch
                 break
         return items
 

@@ -208,6 +208,7 @@ class Scheduler:
             self.spec.settle(result.decoded)  # speculative totals, switch-off, rejected KV rolled back
         for r in result.decoded + [it.req for it in result.extended]:
             self.kv.trim(r)  # sliding-window models: drop pages no later query reads
+            self.kv.checkpoint(r)  # hybrid models with the prefix cache: a state snapshot at a snapshot point
         for it in result.extended:
             if it.completes_prompt:
                 self.waiting.remove(it.req)
@@ -337,7 +338,7 @@ class Scheduler:
             waiting=waiting, running=running, retracted=retracted,
             kv_used_tokens=self.kv.used_tokens, kv_total_tokens=self.kv.pool.total_tokens,
             host_kv_used_pages=0 if self.kv.host.allocator is None else self.kv.host.allocator.num_used,
-            state_slots_used=None if self.kv.states is None else self.kv.states.num_used,
+            state_slots_used=None if self.kv.states is None else self.kv.slots_used,
             retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
             window_freed_pages=self.kv.trimmed_pages, pool_truncated=self.pool_truncated,
             prefix=self.kv.cache_stats(),

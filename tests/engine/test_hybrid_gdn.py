@@ -44,7 +44,8 @@ from engine.models.qwen3_next import GatedDeltaNet
 from engine.models.registry import family as family_module
 from engine.recurrent.batch import StateBatch
 from engine.recurrent.state_pool import StatePool, StateSpec
-from engine.request import Req
+from engine.request import LogprobState, Req
+from engine.request_groups import LogprobParams
 from engine.sampling.params import SamplingParams
 from engine.scheduling.parallel import add_choices
 
@@ -453,7 +454,8 @@ def tp2(tmp_path_factory):  # noqa: ANN001, ANN201
     path = tmp_path_factory.mktemp("qwen3_next_tp2")
     hf = write_model("qwen3_next", path)
     cfg = EngineConfig(model=str(path), max_total_tokens=1024, page_size=16, max_running_requests=4, threads=1,
-                       tp=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+                       tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", prefix_cache=True,
+                       state_snapshot_interval=64)  # 4 slots for requests + 4 for prefix-cache snapshots
     procs = tp_ranks.spawn_ranks(cfg)
     try:
         two = make_runner(cfg)
@@ -502,7 +504,7 @@ def test_tp2_retraction_and_forks_move_every_ranks_state(tp2, tmp_path):
     one = LLM(EngineConfig(model=two.cfg.model, max_total_tokens=4096, page_size=16, threads=1))
     want = [c.output_ids for c in one.generate(prompts, params)]
     # 1024 tokens of KV, 4 running at once of 150..250 + 100 tokens, admitted greedily: retraction is certain
-    tight = LLM(dataclasses.replace(two.cfg, new_token_ratio=0.0), runner=two)
+    tight = LLM(dataclasses.replace(two.cfg, new_token_ratio=0.0, prefix_cache=False), runner=two)
     got = tight.generate(prompts, params)
     kv = tight.scheduler.kv
     assert kv.retractions > 0 and kv.reloads == kv.retractions
@@ -517,4 +519,37 @@ def test_tp2_retraction_and_forks_move_every_ranks_state(tp2, tmp_path):
         tight.scheduler.step()
         tight.scheduler.drain()
     assert [r.output_ids for r in chosen] == [want[0][:8]] * 3
+    assert kv.all_free() and kv.request_slots == 4
+
+
+@pytest.mark.slow
+def test_tp2_prefix_cache_snapshots_are_every_ranks(tp2):
+    """The prefix cache's state snapshots are slot copies every rank makes (DrivenStatePool.copy): a prompt
+    sharing a finished one's prefix restarts from the snapshot on both ranks, with one rank's tokens."""
+    _, two = tp2
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    base = _prompt(60, 150)
+    prompts = [base + _prompt(61, 10), base + _prompt(62, 25)]
+    one = LLM(EngineConfig(model=two.cfg.model, max_total_tokens=4096, page_size=16, threads=1))
+    cached = LLM(two.cfg, runner=two)
+    kv = cached.scheduler.kv
+    assert kv.snapshot_slots == 4 and kv.cache is not None
+
+    def serve(llm: LLM) -> list[Req]:
+        reqs = []
+        for i, ids in enumerate(prompts):
+            r = Req(rid=f"p{i}", token_ids=ids, sampling=params, logprobs=LogprobState(asked=LogprobParams(on=True)))
+            llm.scheduler.add(r)
+            while not r.finished:
+                llm.scheduler.step()
+                llm.scheduler.drain()
+            reqs.append(r)
+        return reqs
+
+    want, got = serve(one), serve(cached)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    diff = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.logprobs.output, w.logprobs.output))
+    assert diff < 1e-3, diff  # a rank restarting from a state it never copied is off by far more
+    assert [r.kv.cached_tokens for r in got] == [0, 128]
+    kv.flush()
     assert kv.all_free()

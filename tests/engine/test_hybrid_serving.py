@@ -172,3 +172,7 @@ def test_real_pd_through_router_equals_colocated(pd_stack):
         assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 10
     info = httpx.get(pd_stack["dec"].url + "/server_info", timeout=30).json()
     assert info["state_slots"] > 0 and info["state_bytes_per_slot"] > 0
+    assert info["state_snapshot_slots"] == 0  # the decode keeps no prefix cache for a hybrid model
+    for role in ("colo", "pre"):  # theirs is on by default: state snapshots beside the requests' slots
+        info = httpx.get(pd_stack[role].url + "/server_info", timeout=30).json()
+        assert info["state_snapshot_slots"] == info["state_slots"] // 2 > 0
