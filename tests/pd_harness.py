@@ -56,6 +56,19 @@ def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[di
             p.stop()
 
 
+def router_equals_colocated(procs: dict, prompts: list[list[int]], tokens: int = 10) -> None:
+    """Each greedy /generate through `router_stack`'s router returns the colocated service's tokens."""
+    from pd_harness import call  # tests/integration's (router_stack made it importable)
+
+    for ids in prompts:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+        status, want = call(procs["colo"].url, "/generate", body)
+        assert status == 200, want
+        status, got = call(procs["router"].url, "/generate", body)
+        assert status == 200, got
+        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == tokens
+
+
 def kv_manager(runner: ModelRunner, prefix_cache: bool = False) -> KVManager:
     """The role's KV manager, with the host/disk tiers of runner.cfg's --hicache-* fields when cached."""
     spec = HiCacheSpec.from_config(runner.cfg, f"w{id(runner)}") if prefix_cache else None

@@ -22,7 +22,7 @@ from engine.forward.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling.params import SamplingParams
 from tests.hybrid_models import CONFIGS, VOCAB, write_hybrid
-from tests.pd_harness import PDPair, colocated_tokens, router_stack
+from tests.pd_harness import PDPair, colocated_tokens, router_equals_colocated, router_stack
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 LENGTHS = (5, 70, 200)
@@ -160,16 +160,7 @@ def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.mark.slow
 def test_real_pd_through_router_equals_colocated(pd_stack):
-    from pd_harness import call
-
-    for seed, n in ((1, 13), (2, 90)):
-        body = {"input_ids": _prompt(seed, n),
-                "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
-        status, want = call(pd_stack["colo"].url, "/generate", body)
-        assert status == 200, want
-        status, got = call(pd_stack["router"].url, "/generate", body)
-        assert status == 200, got
-        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 10
+    router_equals_colocated(pd_stack, [_prompt(1, 13), _prompt(2, 90)])
     info = httpx.get(pd_stack["dec"].url + "/server_info", timeout=30).json()
     assert info["state_slots"] > 0 and info["state_bytes_per_slot"] > 0
     assert info["state_snapshot_slots"] == 0  # the decode keeps no prefix cache for a hybrid model

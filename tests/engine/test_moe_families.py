@@ -21,7 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.moe import SparseMoE
 from engine.sampling.params import SamplingParams
-from tests.pd_harness import PDPair, colocated_tokens, router_stack
+from tests.pd_harness import PDPair, colocated_tokens, router_equals_colocated, router_stack
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -188,13 +188,4 @@ def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.mark.slow
 def test_real_pd_through_router_equals_colocated(pd_stack):
-    from pd_harness import call
-
-    for seed, n in ((1, 13), (2, 45)):
-        body = {"input_ids": _prompt(seed, n),
-                "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
-        status, want = call(pd_stack["colo"].url, "/generate", body)
-        assert status == 200, want
-        status, got = call(pd_stack["router"].url, "/generate", body)
-        assert status == 200, got
-        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == 10
+    router_equals_colocated(pd_stack, [_prompt(1, 13), _prompt(2, 45)])
