@@ -56,6 +56,20 @@ def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[di
             p.stop()
 
 
+def pd_equals_colocated(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams, **pair: object) -> None:
+    """The in-process PD pair (`pair`: PDPair's options) serves `prompts` with no error, the colocated
+    role's tokens, and frees every page (and state slot) on both sides."""
+    want = colocated_tokens(cfg, prompts, sampling)
+    pd = PDPair(cfg, **pair)  # type: ignore[arg-type]
+    try:
+        got, d_done, p_done = pd.run(prompts, sampling)
+        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
+        assert got == want
+        assert pd.p_kv.all_free() and pd.d_kv.all_free()
+    finally:
+        pd.close()
+
+
 def router_equals_colocated(procs: dict, prompts: list[list[int]], tokens: int = 10) -> None:
     """Each greedy /generate through `router_stack`'s router returns the colocated service's tokens."""
     from pd_harness import call  # tests/integration's (router_stack made it importable)

@@ -22,7 +22,7 @@ from engine.forward.model_runner import ModelRunner
 from engine.request import Req
 from engine.sampling.params import SamplingParams
 from tests.hybrid_models import CONFIGS, VOCAB, write_hybrid
-from tests.pd_harness import PDPair, colocated_tokens, router_equals_colocated, router_stack
+from tests.pd_harness import colocated_tokens, pd_equals_colocated, router_equals_colocated, router_stack
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 LENGTHS = (5, 70, 200)
@@ -122,17 +122,7 @@ def test_an_abort_storm_frees_every_page_and_slot(family, llm):
 
 
 def test_pd_in_process_equals_colocated(family):
-    cfg = _cfg(family[2])
-    prompts = [_prompt(7, 21), _prompt(8, 150)]
-    want = colocated_tokens(cfg, prompts, GREEDY)
-    pair = PDPair(cfg, heartbeat_s=5.0)
-    try:
-        got, d_done, p_done = pair.run(prompts, GREEDY)
-        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
-        assert got == want
-        assert pair.p_kv.all_free() and pair.d_kv.all_free()
-    finally:
-        pair.close()
+    pd_equals_colocated(_cfg(family[2]), [_prompt(7, 21), _prompt(8, 150)], GREEDY, heartbeat_s=5.0)
 
 
 @pytest.mark.parametrize("field,value,words", [

@@ -21,7 +21,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import LLM
 from engine.models.moe import SparseMoE
 from engine.sampling.params import SamplingParams
-from tests.pd_harness import PDPair, colocated_tokens, router_equals_colocated, router_stack
+from tests.pd_harness import pd_equals_colocated, router_equals_colocated, router_stack
 
 VOCAB = 256
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -120,17 +120,7 @@ def test_greedy_alone_and_batched_match_transformers(family):
 
 
 def test_pd_in_process_equals_colocated(family):
-    _, _, _, cfg = family
-    prompts = [_prompt(7, 21), _prompt(8, 70)]
-    want = colocated_tokens(cfg, prompts, GREEDY)
-    pair = PDPair(cfg)
-    try:
-        got, d_done, p_done = pair.run(prompts, GREEDY)
-        assert all(o.error is None for o in [*p_done.values(), *d_done.values()])
-        assert got == want
-        assert pair.p_kv.all_free() and pair.d_kv.all_free()
-    finally:
-        pair.close()
+    pd_equals_colocated(family[3], [_prompt(7, 21), _prompt(8, 70)], GREEDY)
 
 
 @pytest.mark.parametrize("kind,overrides", [
