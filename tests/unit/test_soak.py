@@ -144,3 +144,11 @@ def test_router_and_worker_numbers():
     assert w["kv_used"] == 100 and w["kv_total"] == 2048 and w["running_requests"] == 2
     assert w["counters"] == {"retractions": 3, "queue_rejected": 4}
     assert soak.worker_numbers({"internal_states": []})["kv_used"] is None
+
+
+def test_first_retraction_ends_warmup():
+    samples = [{"t": 0, "server": {"router": {"retractions": 5}, "decode-0": {"retractions": 0}}},
+               {"t": 60, "server": {"decode-0": None}},
+               {"t": 120, "server": {"prefill-0": {}, "decode-0": {"retractions": 2}}}]
+    assert soak.first_counter_t(samples, "retractions") == 120  # the router's own counters do not count
+    assert soak.first_counter_t(samples[:2], "retractions") is None
