@@ -915,10 +915,12 @@ async def run(a: argparse.Namespace, url: str, token: str | None, roots: list[in
 
 
 def first_counter_t(samples: list[dict[str, Any]], counter: str) -> float | None:
-    """t of the first sample in which some worker's `counter` is above 0 (None: never)."""
+    """t of the first sample in which some worker's `counter` (under its /server_info "counters") is above 0
+    (None: never)."""
     for s in samples:
-        if any((w or {}).get(counter, 0) > 0 for k, w in s.get("server", {}).items() if k != "router"):
-            return s["t"]
+        for k, w in s.get("server", {}).items():
+            if k != "router" and isinstance(w, dict) and ((w.get("counters") or {}).get(counter) or 0) > 0:
+                return s["t"]
     return None
 
 

@@ -147,8 +147,9 @@ def test_router_and_worker_numbers():
 
 
 def test_first_retraction_ends_warmup():
-    samples = [{"t": 0, "server": {"router": {"retractions": 5}, "decode-0": {"retractions": 0}}},
+    samples = [{"t": 0, "server": {"router": {"counters": {"retractions": 5}},
+                                   "decode-0": {"counters": {"retractions": 0}}}},
                {"t": 60, "server": {"decode-0": None}},
-               {"t": 120, "server": {"prefill-0": {}, "decode-0": {"retractions": 2}}}]
+               {"t": 120, "server": {"prefill-0": {}, "decode-0": {"counters": {"retractions": 2}}}}]
     assert soak.first_counter_t(samples, "retractions") == 120  # the router's own counters do not count
     assert soak.first_counter_t(samples[:2], "retractions") is None
