@@ -86,9 +86,24 @@ class SamplingFields(_Open):
                                                             "same key to the same worker")
 
 
-class ContentPart(_Open):
-    type: Literal["text"] = Field(description="only 'text' is supported")
+class TextPart(_Open):
+    type: Literal["text"] = Field(description="a text part")
     text: str
+
+
+class ImageURL(_Open):
+    url: NonEmpty = Field(description="a data: URL (base64 PNG, JPEG, WebP), an http(s) URL (with "
+                                      "--image-url-fetch) or a file under --image-dir")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="accepted, ignored: the model's "
+                                                                            "preprocessor config sets the size")
+
+
+class ImagePart(_Open):
+    type: Literal["image_url"] = Field(description="an image (vision-language models only)")
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(_Open):
@@ -107,6 +122,8 @@ _SOME_TEXT = {"contains": {"anyOf": [
     {"properties": {"content": {"type": "string", "minLength": 1}}, "required": ["content"]},
     {"properties": {"content": {"type": "array", "minItems": 2}}, "required": ["content"]},
     {"properties": {"content": {"type": "array", "contains": {"properties": {"text": {"minLength": 1}}}}},
+     "required": ["content"]},
+    {"properties": {"content": {"type": "array", "contains": {"properties": {"type": {"const": "image_url"}}}}},
      "required": ["content"]},
     {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
      "required": ["role", "tool_calls"]},
@@ -293,6 +310,9 @@ class GenerateRequest(_Open):
     input_embeds: Embeds | None = Field(None, description="[T][hidden_size] numbers instead of text or input_ids")
     token_ids_logprob: list[TokenId] | None = Field(None, description="logprobs of these ids at every step "
                                                                       "(needs return_logprob)")
+    image_data: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1)] | None = Field(
+        None, description="vision-language models: image URLs (as chat's image_url), in the order of the "
+                          "image placeholders of `text`; a placeholder the prompt lacks is put before it")
 
     @field_validator("input_embeds", mode="wrap")
     @classmethod
@@ -384,7 +404,7 @@ _WHAT = {"bool_type": "a boolean", "int_type": "an integer", "float_type": "a nu
          "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
          "list_type": "a list"}
 _UNIONS = {"prompt": "a string or a list of token ids (one prompt per request)",
-           "stop": "a string or a list of strings", "content": "a string or a list of text parts",
+           "stop": "a string or a list of strings", "content": "a string or a list of text and image_url parts",
            "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
            "top_k": "-1 (off) or an integer >= 1", "json_schema": "a JSON schema (text or object)"}
 _BOUNDS = {"greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"), "less_than": ("<", "lt"),
@@ -492,8 +512,8 @@ def _special(loc: tuple, body: Any) -> str | None:
     if loc[0] == "messages" and len(loc) > 2 and loc[2] == "content" and isinstance(value, list):
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                return f"messages[{loc[1]}].content[{j}]: only text parts are supported, got {kind!r}"
+            if kind not in ("text", "image_url"):
+                return f"messages[{loc[1]}].content[{j}]: parts are text or image_url, got {kind!r}"
     return None
 
 

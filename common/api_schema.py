@@ -195,12 +195,13 @@ _WORKER_URL = r"^https?://[A-Za-z0-9.-]*[A-Za-z0-9](:[0-9]{1,5})?/?$"
 class AddWorkerRequest(BaseModel):
     """`POST /admin/workers` (router): a worker the router may use."""
 
-    model_config = ConfigDict(strict=True, json_schema_extra={  # bootstrap_port only for a prefill
+    model_config = ConfigDict(strict=True, json_schema_extra={  # bootstrap_port only for a prefill or an encoder
         "if": {"properties": {"role": {"const": "decode"}}},
         "then": {"properties": {"bootstrap_port": {"type": "null"}}}})
     url: str = Field(pattern=_WORKER_URL, description="http://host:port")
-    role: Literal["prefill", "decode"]
-    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="prefill only; absent: read /server_info")
+    role: Literal["prefill", "decode", "encoder"]
+    bootstrap_port: int | None = Field(None, ge=1, le=65535, description="prefill or encoder only; absent: read "
+                                                                         "/server_info")
 
     @field_validator("url", mode="before")
     @classmethod
@@ -211,8 +212,8 @@ class AddWorkerRequest(BaseModel):
 
     @model_validator(mode="after")
     def _port_for_prefill(self) -> AddWorkerRequest:
-        if self.bootstrap_port is not None and self.role != "prefill":
-            raise ValueError("'bootstrap_port' must be an integer and only for role prefill")
+        if self.bootstrap_port is not None and self.role == "decode":
+            raise ValueError("'bootstrap_port' must be an integer and only for role prefill or encoder")
         return self
 
 

@@ -11,6 +11,9 @@ TOKEN_IDS_KEY = "pd_token_ids"  # body flag: each stream event carries its token
 RESUME_KEY = "pd_resume"  # body field: {"output_ids": [...], "id": str, "created": int} continues a stream
 # Conditional disaggregation (router -> decode, internal): the picked prefill is busy, prefill here if room
 PREFILL_HERE_KEY = "pd_prefill_here"
+# E/P/D: the router tells a prefill which encoder sends its request's image rows (the room is the request's)
+ENCODER_HOST_KEY = "encoder_bootstrap_host"
+ENCODER_PORT_KEY = "encoder_bootstrap_port"
 
 
 def error_body(message: str, status: int, err_type: str | None = None, fault: str = "",

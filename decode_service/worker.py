@@ -148,7 +148,11 @@ class DecodeRole:
         prefill, or retracted; requests still waiting for their KV cost it no step yet), since under load
         its steps are worth more to the running streams than the round trip saved; or a busy prefill (the
         router's hint) while this decode has room: the prompt's KV fits now under the admission rule
-        and the local prefill queue stays within local_max_queued tokens."""
+        and the local prefill queue stays within local_max_queued tokens. A prompt with images never is: its
+        prefill computes it (with its image cache, or the rows an encoder sent it), so a decode holds no tower
+        input (its requests carry no pixels)."""
+        if req.mm is not None:
+            return ""
         new = req.num_prompt_tokens - self.kv.prefix_len(req)  # only what this decode's cache lacks is computed
         short = new <= self.local_threshold
         queued = self.sched.queued_prefill_tokens() if short or hinted else 0  # only these two rules read it

@@ -146,6 +146,14 @@ class ModelConfig:
     # hybrid models (engine/recurrent/): the layers with attention, the only ones the KV pool holds; () = every layer
     attention_layers: tuple[int, ...] = ()
     hybrid: Any = None  # the family's spec of its recurrent layers (engine/models/qwen3_next.py, nemotron_h.py, ...)
+    # vision-language models (engine/models/vision.py, qwen2_5_vl.py, qwen3_vl.py); the defaults: a text-only model
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (t, h, w) frequency counts; non-empty: positions are int64 [3, T]
+    mrope_interleaved: bool = False  # Qwen3-VL: h/w frequencies interleaved (t h w t h w ...), else in 3 blocks
+    image_token_id: int = -1  # the image pad token: one per merged patch, replaced by the tower's output rows
+    vision_start_token_id: int = -1  # precedes each image's run of image tokens
+    spatial_merge_size: int = 0  # patches merged per side into one image token
+    vision: dict | None = None  # the raw vision_config; not None = a vision-language model
+    deepstack_layers: int = 0  # Qwen3-VL: the first k decoder layers get the deepstack visual features added
 
     @property
     def num_kv_layers(self) -> int:
@@ -270,6 +278,15 @@ class EngineConfig:
         "at most one a chunk; in decode: every multiple), and once at its prompt's last page boundary (a "
         "conversation's next turn resumes there). Must be a multiple of --page-size. Smaller: finer reuse, more "
         "snapshots (each one state slot of --state-cache-slots)", group=MODEL, roles=SCHEDULING_ROLES)
+    image_cache_mb: int = option(
+        256, "vision-language models: MB of vision-tower outputs kept by image content hash (least recently used "
+        "dropped first), so a repeated image skips the tower; 0: none kept. Ignored for text-only models",
+        group=MODEL, roles=(*SCHEDULING_ROLES, "encoder"))
+    image_transfer_tokens: int = option(
+        8192, "vision-language models with encoders (E/P/D): image-embedding rows an encoder may hold until they are "
+        "sent (encoder), or that may land here from encoders ahead of their prompts (prefill); each row the model's "
+        "hidden size times 1 + its deepstack layers, in --dtype. A request whose images need more waits (encoder) "
+        "or is refused with 503 and Retry-After (prefill)", group=MODEL, roles=("prefill", "encoder"))
     context_length: int = option(0, "max prompt+output tokens (0: the model's)", group=MODEL)
     attention_backend: str = option(
         "auto", "attention kernels. auto: triton on cuda; cpu for float32 on a CPU, else torch. cpu: native C "
@@ -378,6 +395,8 @@ class EngineConfig:
         need(self.max_state_slots >= 0, "--max-state-slots must be >= 0")
         need(self.state_cache_slots >= -1, "--state-cache-slots must be >= 0 (or -1: as many as --max-state-slots)")
         need(self.state_snapshot_interval >= 1, "--state-snapshot-interval must be >= 1")
+        need(self.image_cache_mb >= 0, "--image-cache-mb must be >= 0")
+        need(self.image_transfer_tokens >= 1, "--image-transfer-tokens must be >= 1")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),

@@ -30,6 +30,7 @@ from engine.sampling.params import SamplingParams
 __all__ = ["Bootstrap", "Choice", "FinishReason", "KVState", "LogprobState", "Req", "SpecState", "Trace"]
 
 if TYPE_CHECKING:
+    from engine.extras.multimodal import Multimodal
     from engine.kvcache.radix_cache import Node
     from engine.sampling.grammar import Matcher
 
@@ -162,6 +163,7 @@ class Req:
     options: ReqOptions = NO_OPTIONS  # priority, cache salt, session, LoRA adapter
     spec: SpecState = field(default_factory=SpecState)  # speculative decoding (engine/extras/speculative)
     features: Features = field(default_factory=Features)  # hidden states, input embeds, ids' logprobs
+    mm: Multimodal | None = None  # the prompt's images (engine.extras.multimodal); None: text only
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -62,6 +62,20 @@ class Extras:
         return self.hidden_states or bool(self.input_embeds) or bool(self.token_ids_logprob)
 
 
-GROUPS = (LogprobParams, ReqOptions, Bootstrap, Extras)  # nested in service.messages.GenerateReq on the wire
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt (vision-language models; service/images.py prepares it, engine.extras.multimodal
+    runs it): its content hash, where its image tokens sit in the prompt and the preprocessed pixels."""
+
+    hash: bytes  # 16 bytes of the pixels and grid: equal images, equal hash
+    offset: int  # prompt index of its first image token
+    tokens: int  # image tokens it occupies: t * h * w / merge**2
+    grid: list[int]  # [t, h, w] in patches
+    pixels: bytes = b""  # float32 [P, dim], as the model's image processor emits them
+    dim: int = 0
+
+
+# nested in service.messages.GenerateReq on the wire
+GROUPS = (LogprobParams, ReqOptions, Bootstrap, Extras, ImageInput)
 # what most requests ask: shared (the groups are frozen), so a plain request builds none of them
 NO_LOGPROBS, NO_OPTIONS, COLOCATED, NO_EXTRAS = LogprobParams(), ReqOptions(), Bootstrap(), Extras()

@@ -47,5 +47,7 @@ class SchedulerStats:
     forward_tokens: int = 0  # total: tokens run through the model
     window_freed_pages: int = 0  # total: pages freed because they slid out of every window
     pool_truncated: int = 0  # total: requests ended at the KV pool's end (finish reason length)
+    images_encoded: int | None = None  # total: images the vision tower ran for (None: no image yet)
+    image_cache_hits: int | None = None  # total: images whose tower output came from the cache by hash
     prefix: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding totals (engine/extras/speculative)

@@ -20,6 +20,8 @@ COMMANDS = {
     "prefill": ("prefill_service.main", "prefill service: chunked prefill, streams KV to decode"),
     "decode": ("decode_service.main", "decode service: receives KV, runs decode batches"),
     "colocated": ("colocated_service.main", "one service doing prefill and decode (single node)"),
+    "encoder": ("encoder_service.main", "vision encoder (E/P/D): runs a vision-language model's tower, sends the "
+                "image embeddings to the prefill"),
     "bench": ("loadtest.cli", "load generator: TTFT/ITL/TPOT/throughput, JSON + plots"),
     "model": ("engine.models.embedded", "convert the embedded model once and print its directory"),
 }

@@ -1,10 +1,13 @@
-"""`pdserve up`: router + prefill + decode services on this machine, the local quick start.
+"""`pdserve up`: router + prefill + decode (+ encoder) services on this machine, the local quick start.
 
 1. Pick free ports, write a random internal token (workers only accept requests that carry it).
-2. Start N prefill and M decode services (`python -m pdserve prefill|decode ...`) and the router, each
-   in its own session, logs in --log-dir. On CPU each worker gets `--threads` = max(1, CPUs // workers)
-   (CPUs: this process's affinity, capped by its cgroup quota), so N+M workers never run more compute
-   threads than the machine has cores; `--threads`, or `--threads` inside --worker-args, overrides it.
+2. Start N prefill and M decode services (`python -m pdserve prefill|decode ...`), E encoder services with
+   --encoder E (`pdserve encoder`: a vision-language model's vision tower, E/P/D; each with its own
+   bootstrap port, registered with the router as `--encoder URL,bootstrap_port=B`, so image requests go
+   encoder -> prefill -> decode) and the router, each in its own session, logs in --log-dir. On CPU each
+   worker gets `--threads` = max(1, CPUs // workers) (CPUs: this process's affinity, capped by its cgroup
+   quota; encoders count as workers), so the workers never run more compute threads than the machine has
+   cores; `--threads`, or `--threads` inside --worker-args (--encoder-args for encoders), overrides it.
    With --prefill-tp/--decode-tp a worker runs that many rank processes (`--tp`): the CPUs are divided
    by ranks, not workers, and on cuda each rank gets its own GPU (consecutive GPUs per worker).
 3. Wait until every worker's and the router's /health answers 200, printing progress; if a child
@@ -20,8 +23,11 @@
 Worker flags are not declared here: every flag of `pdserve prefill` and `pdserve decode` that `pdserve up`
 does not set itself (ports, placement, tokens) is generated from the same config fields (the "worker:"
 groups below) and, when given, passed on to each worker that takes it: a flag both roles take goes to both
-(--speculative: a PD pair must agree), a decode's own (--local-prefill-threshold) to the decodes only.
---worker-args, --prefill-args and --decode-args pass flags as written (the role's win over the others).
+(--speculative: a PD pair must agree), a decode's own (--local-prefill-threshold) to the decodes only, and to
+the encoders only the few `pdserve encoder` takes (model, device, dtype, image and transfer flags).
+--worker-args, --prefill-args and --decode-args pass flags as written (the role's win over the others);
+--worker-args goes to the prefills and decodes only (an encoder refuses the KV/scheduling flags it does not
+take): encoders get --encoder-args.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from engine.cpus import cpu_budget, threads_per_worker
 from pdserve.supervise import POLICIES, Supervisor
 from service.config import PD_ROLES, server_specs
 
+ENCODER = "encoder"  # `pdserve encoder`: E/P/D's vision encoder (vision-language models)
+
 # worker flags `pdserve up` sets itself (by these dests), never passed on from its own command line
 UP_SETS = ("host", "port", "device", "threads", "tp", "tp_devices", "dist_init_addr", "nnodes", "node_rank",
            "internal_token_file", "bootstrap_port", "advertise_host")
@@ -66,6 +74,9 @@ class UpConfig:
                              "cuda each rank takes its own GPU)")
     decode_tp: int = option(1, "tensor-parallel ranks of each decode service (its --tp); may differ from "
                             "--prefill-tp")
+    encoder: int = option(0, "number of encoder services (E/P/D, vision-language models only: each runs the "
+                          "model's vision tower and sends the image embeddings to a prefill; image requests then go "
+                          "encoder -> prefill -> decode). A text-only model's encoder exits at start-up")
     host: str = option("127.0.0.1", "router bind address (workers bind 127.0.0.1)")
     port: int = option(8000, "router port")
     device: str = option("auto", "cpu, cuda or cuda:N; with cuda and several GPUs, one GPU per worker")
@@ -74,12 +85,15 @@ class UpConfig:
     api_key_file: str | None = option(None, "client API keys for the router (one per line)")
     threads: int = option(
         0, "torch CPU threads per worker rank (0: divide this machine's CPUs among the ranks, max(1, CPUs // "
-        "(prefill * prefill_tp + decode * decode_tp)), CPUs from the affinity mask capped by the cgroup quota; not "
-        "passed when the workers compute on a GPU)")
-    worker_args: str = option("", "extra flags for every worker, one shell-quoted string")
+        "(prefill * prefill_tp + decode * decode_tp + encoder)), CPUs from the affinity mask capped by the cgroup "
+        "quota; not passed when the workers compute on a GPU)")
+    worker_args: str = option("", "extra flags for every prefill and decode worker, one shell-quoted string (not "
+                              "for the encoders, which take few flags: --encoder-args)")
     prefill_args: str = option("", "extra flags for the prefill workers only, one shell-quoted string")
     decode_args: str = option("", "extra flags for the decode workers only, one shell-quoted string (e.g. "
                               "'--local-prefill-threshold 0' to disaggregate every prompt)")
+    encoder_args: str = option("", "extra flags for the encoder workers only, one shell-quoted string (only "
+                               "flags `pdserve encoder --help` lists, e.g. '--image-transfer-tokens 65536')")
     otlp_endpoint: str = ""  # common.logs' flags: passed to the router and every worker
     log_format: str = "text"
     startup_timeout: float = option(900.0, "seconds to wait for everything to be healthy")
@@ -98,15 +112,17 @@ class UpConfig:
             raise ValueError("--prefill and --decode must be >= 1")
         if self.prefill_tp < 1 or self.decode_tp < 1:
             raise ValueError("--prefill-tp and --decode-tp must be >= 1")
+        if self.encoder < 0:
+            raise ValueError("--encoder must be >= 0")
         if self.threads < 0:
             raise ValueError("--threads must be >= 0 (0: divide the CPUs among the workers)")
 
 
 def worker_specs() -> list[Spec]:
-    """The worker flags `pdserve up` takes: every prefill and decode flag it does not set itself, each once,
-    with no parser default (a flag not given is absent and left to the worker's own default)."""
+    """The worker flags `pdserve up` takes: every prefill, decode and encoder flag it does not set itself, each
+    once, with no parser default (a flag not given is absent and left to the worker's own default)."""
     seen: dict[str, Any] = {}
-    for role in PD_ROLES:
+    for role in (*PD_ROLES, ENCODER):
         for s in server_specs(role, default=argparse.SUPPRESS):
             if s.dest not in UP_SETS:
                 seen.setdefault(s.dest, s)
@@ -156,15 +172,21 @@ def _uses_gpu(device: str) -> bool:
     return device.startswith("cuda")
 
 
+def _ranks(a: UpConfig) -> int:
+    """Compute processes of all the workers: each prefill/decode rank, each encoder (no --tp)."""
+    return a.prefill * a.prefill_tp + a.decode * a.decode_tp + a.encoder
+
+
 def worker_threads(a: UpConfig, extra: list[str]) -> int | None:
-    """`--threads` for each worker: None when the user set it in --worker-args or the workers use a GPU."""
+    """`--threads` for each worker: None when the user set it in `extra` (--worker-args, or --encoder-args for
+    the encoders) or the workers use a GPU."""
     if any(x == "--threads" or x.startswith("--threads=") for x in extra):
         return None
     if a.threads:
         return a.threads
     if _uses_gpu(a.device):
         return None
-    return threads_per_worker(a.prefill * a.prefill_tp + a.decode * a.decode_tp)
+    return threads_per_worker(_ranks(a))
 
 
 def _observability_flags(a: UpConfig) -> list[str]:
@@ -183,33 +205,48 @@ def _spawn(name: str, argv: list[str], url: str, log_dir: Path) -> Child:
     return child
 
 
+def _extra_args(a: UpConfig) -> dict[str, list[str]]:
+    """The words every worker of a role gets after its placement: --worker-args (prefill and decode only), the
+    observability flags and --threads (unless that role's extra args set it), the role's generated flags, then
+    its --<role>-args as written (last: they win)."""
+    obs = _observability_flags(a)
+    pd_extra = shlex.split(a.worker_args) + obs
+    enc_args = shlex.split(a.encoder_args)
+    out: dict[str, list[str]] = {}
+    for role, common, own in (("prefill", pd_extra, shlex.split(a.prefill_args)),
+                              ("decode", pd_extra, shlex.split(a.decode_args)), (ENCODER, obs, enc_args)):
+        threads = worker_threads(a, common if role != ENCODER else enc_args)
+        out[role] = [*common, *(["--threads", str(threads)] if threads is not None else []), *role_flags(a, role),
+                     *own]
+    return out
+
+
 def start_all(a: UpConfig, log_dir: Path, token_file: Path, children: list[Child]) -> None:
     """Spawn the workers, then the router, into `children` (kept in stop order: router first), so a
     signal in the middle still leaves every started child in the list."""
     base = shlex.split(a.worker_cmd)
-    extra = shlex.split(a.worker_args) + _observability_flags(a)
-    threads = worker_threads(a, extra)
+    extra = _extra_args(a)
+    threads = worker_threads(a, shlex.split(a.worker_args))
     if threads is not None:
-        extra += ["--threads", str(threads)]
-        print(f"each worker rank computes with --threads {threads} ({cpu_budget()} CPUs, "
-              f"{a.prefill * a.prefill_tp + a.decode * a.decode_tp} ranks)", flush=True)
-    roles = ["prefill"] * a.prefill + ["decode"] * a.decode
-    tps = [a.prefill_tp if role == "prefill" else a.decode_tp for role in roles]
-    workers: list[Child] = []
+        print(f"each worker rank computes with --threads {threads} ({cpu_budget()} CPUs, {_ranks(a)} ranks)",
+              flush=True)
+    roles = ["prefill"] * a.prefill + ["decode"] * a.decode + [ENCODER] * a.encoder
+    tps = [{"prefill": a.prefill_tp, "decode": a.decode_tp}.get(role, 1) for role in roles]
     router_workers: list[str] = []
-    for i, (role, placement) in enumerate(zip(roles, _tp_flags(a.device, tps))):
+    counts: dict[str, int] = {}
+    for role, placement in zip(roles, _tp_flags(a.device, tps)):
         port = free_port()
-        argv = [*base, role, "--port", str(port), *placement, "--internal-token-file", str(token_file), *extra,
-                *role_flags(a, role), *shlex.split(a.prefill_args if role == "prefill" else a.decode_args)]
-        if role == "prefill":
+        argv = [*base, role, "--port", str(port), *placement, "--internal-token-file", str(token_file),
+                *extra[role]]
+        url = f"http://127.0.0.1:{port}"
+        if role == "decode":
+            router_workers += ["--decode", url]
+        else:  # a prefill's (or an encoder's) bootstrap server: decodes (or prefills) connect there
             bootstrap_port = free_port()
             argv += ["--bootstrap-port", str(bootstrap_port)]
-            router_workers += ["--prefill", f"http://127.0.0.1:{port},bootstrap_port={bootstrap_port}"]
-        else:
-            router_workers += ["--decode", f"http://127.0.0.1:{port}"]
-        index = i if role == "prefill" else i - a.prefill
-        workers.append(_spawn(f"{role}-{index}", argv, f"http://127.0.0.1:{port}", log_dir))
-        children.append(workers[-1])
+            router_workers += [f"--{role}", f"{url},bootstrap_port={bootstrap_port}"]
+        index = counts[role] = counts.get(role, -1) + 1
+        children.append(_spawn(f"{role}-{index}", argv, url, log_dir))
     router_argv = [
         sys.executable,
         "-m",

@@ -38,6 +38,7 @@ forward) -> postprocess (send each chunk's pages) -> poll inflight -> report (dr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -60,6 +61,7 @@ from engine.scheduling.scheduler import make_executor
 from service import messages as m
 from service.channels import WorkerChannels
 from service.config import ServerConfig
+from service.epd import ImageRoom, ImageRooms
 from service.pd import StateWire, TransferStats, gathers_kv, make_transfer_manager, pd_request, transfer_error
 from service.stats import Counters, KVStats, WorkerStats
 from service.watchdog import PREFILL, SENDING_KV, WAITING_DECODE, Progress
@@ -77,13 +79,16 @@ class Room:
     sent_pages: int = 0  # pages sent so far, counted from page 0 (the skipped ones count as sent)
     t_ready: float = field(default_factory=time.monotonic)
     t_last_sent: float = 0.0  # when the last chunk (with the metadata) was queued for sending
+    images: ImageRoom | None = None  # E/P/D: the room bringing its images' rows from an encoder, until they landed
 
 
 class PrefillRole:
     """The prefill queues over an injected runner, KV manager and transfer manager."""
 
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, kv: KVManager, mgr: TransferManager,
+                 images: ImageRooms | None = None) -> None:
         self.runner, self.kv, self.mgr, self.cfg = runner, kv, mgr, cfg
+        self.images = images  # E/P/D: image rows from encoders (service/epd.py); None: a text-only model
         self.exec = make_executor(runner, cfg, stop_strings=False)  # a stop string needs the decode's text
         self.planner = ExtendPlanner(kv, cfg, reserve=False)
         self.page_bytes = mgr.wire_page_bytes  # all KV heads (a TP > 1 rank 0 holds fewer)
@@ -107,7 +112,17 @@ class PrefillRole:
         except TransferError as e:
             return [error_out(msg.rid, e.message, int(e.code))]
         start = self.kv.window_start(req.num_prompt_tokens)  # the decode reads nothing before it
-        self.bootstrap.append(Room(req, sender, start, start))
+        room = Room(req, sender, start, start)
+        if msg.encoder.host is not None and req.mm is not None and self.images is not None:
+            landing = self.images.expect(req, msg.encoder)
+            if isinstance(landing, str):
+                sender.abort(landing)
+                sender.release()
+                out = error_out(msg.rid, landing, 503)
+                out.retry_after = 1
+                return [out]
+            room.images = landing
+        self.bootstrap.append(room)
         if req.trace is not None:
             req.trace.begin("bootstrap_queue", room=req.pd.room, prompt_tokens=req.num_prompt_tokens)
         log.info("rid=%s room=%d: %d prompt tokens, waiting for the decode", req.rid, req.pd.room,
@@ -128,15 +143,21 @@ class PrefillRole:
         return bool(self.outbox) or (bool(self.waiting) and not self.blocked)
 
     def wait(self, io: WorkerChannels) -> None:
-        self.mgr.idle_wait(1.0, extra=(io.inbox.socket,))
+        extra = () if self.images is None else self.images.mgr.wakeups()
+        self.mgr.idle_wait(1.0, extra=(io.inbox.socket, *extra))
 
     def step(self) -> list[m.TokenOut]:
         self.mgr.progress()
+        if self.images is not None:
+            self.images.progress()
         self._poll_rooms()
         items = self._schedule()
         if items:
             t0 = time.time_ns()
-            with self.mgr.background():  # transfers, acks and heartbeats move during the forward
+            with contextlib.ExitStack() as bg:  # transfers, acks and heartbeats move during the forward
+                bg.enter_context(self.mgr.background())
+                if self.images is not None:
+                    bg.enter_context(self.images.mgr.background())
                 self.exec.run(items, [])
             _trace_chunks(items, t0, time.time_ns())
             self._postprocess(items)
@@ -163,6 +184,8 @@ class PrefillRole:
             st = room.sender.poll()
             if st == KVPoll.FAILED:
                 self._fail(room)
+            elif room.images is not None and not self._images_landed(room):
+                continue  # E/P/D: the prompt cannot compute before its images' rows are here
             elif room.sender.declined:  # the decode prefilled it itself (conditional disaggregation)
                 self.declined += 1
                 log.info("rid=%s room=%d: prefilled on the decode", room.req.rid, room.req.pd.room)
@@ -179,6 +202,26 @@ class PrefillRole:
         for room in list(self.waiting):
             if room.sender.poll() == KVPoll.FAILED:
                 self._fail(room)
+
+    def _images_landed(self, room: Room) -> bool:
+        """Poll the room's encoder room: True once its rows are in the request's images; a failure ends it."""
+        assert self.images is not None and room.images is not None
+        st = self.images.poll(room.images)
+        if st == KVPoll.FAILED:
+            err = room.images.receiver.error
+            message, code, _ = transfer_error(err, "prefill")
+            self._end(room, FinishReason.ERROR, f"image rows from the encoder: {message}", code,
+                      "encoder" if err is None or err.peer_fault else "")
+            return False
+        if st != KVPoll.SUCCESS:
+            return False
+        images, room.images = room.images, None
+        bad = self.images.land(room.req, images)
+        if bad is not None:
+            room.sender.abort(bad)
+            self._end(room, FinishReason.ERROR, bad, 500, "encoder")
+            return False
+        return True
 
     def _after_chunk(self, room: Room, it: ExtendItem) -> None:
         r = room.req
@@ -256,6 +299,9 @@ class PrefillRole:
                 q.remove(room)
         finish_request(room.req, self.kv, self.outbox, reason, error, code, fault, forks=False)
         room.sender.release()
+        if room.images is not None and self.images is not None:
+            self.images.close(room.images)
+            room.images = None
         self.blocked = False
 
     # ---- reporting ----------------------------------------------------------------------------
@@ -276,7 +322,9 @@ class PrefillRole:
                        state_slots_used=None if self.kv.states is None else self.kv.slots_used),
             active_rooms=self.mgr.active_rooms(),
             counters=Counters(forward_tokens=self.exec.forward_tokens, rooms_prefilled_on_decode=self.declined,
-                              rooms_kept_queued=link.kept_queued),
+                              rooms_kept_queued=link.kept_queued,
+                              images_encoded=None if self.exec.encoder is None else self.exec.encoder.images_encoded,
+                              image_cache_hits=None if self.exec.encoder is None else self.exec.encoder.cache_hits),
             link=link, transfer=self.tstats.totals(), prefix=self.kv.cache_stats())
 
     def progress(self) -> Iterable[Progress]:
@@ -303,6 +351,8 @@ class PrefillRole:
         for room in [*self.bootstrap, *self.waiting, *self.inflight]:
             room.sender.abort("prefill worker shutting down")
         self.mgr.close()
+        if self.images is not None:
+            self.images.close_all()
 
 
 def fork_meta(r: Req) -> dict:
@@ -333,7 +383,8 @@ def run_prefill_worker(cfg: ServerConfig,
     runner = make_runner(cfg.engine)
     mgr = make_transfer_manager(cfg, runner, "prefill")
     kv = KVManager.for_runner(runner, cfg.engine.prefix_cache, spec_for_server(cfg))
-    role = PrefillRole(cfg.engine, runner, kv, mgr)
+    images = ImageRooms.for_server(cfg, runner.model_cfg, runner.device, runner.dtype)  # E/P/D landing
+    role = PrefillRole(cfg.engine, runner, kv, mgr, images)
     info = {"role": "prefill", **runner.server_info(), "bootstrap_port": mgr.bootstrap_port,
             "advertise_host": cfg.pd.advertise_host or "127.0.0.1"}
     run_loop(cfg, role, info)

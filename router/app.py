@@ -1,13 +1,15 @@
 """The router's FastAPI app.
 
-    POST /v1/chat/completions, /v1/completions, /generate   proxied to a prefill/decode pair (router.proxy),
+    POST /v1/chat/completions, /v1/completions, /generate   proxied to a prefill/decode pair (router.proxy), with
+                                                            an encoder in front for images when there is one;
                                                             answered as plain ASGI (router.asgi)
     GET  /v1/models                                         from a healthy decode worker
-    GET  /health        200 when at least one prefill and one decode are eligible, else 503
+    GET  /health        200 when at least one prefill and one decode are eligible, else 503 (encoders are optional)
     GET  /livez         200 while the process serves HTTP
     GET  /metrics       Prometheus text (router.metrics)
     GET  /openapi.json, /docs   the API (common.api_schema: the proxied endpoints' bodies and errors)
-    GET  /admin/workers, POST /admin/workers {url, role, bootstrap_port?}, DELETE /admin/workers?url=
+    GET  /admin/workers, POST /admin/workers {url, role (prefill|decode|encoder), bootstrap_port?},
+         DELETE /admin/workers?url=
     GET  /admin/kv_index   the KV index fed by the workers' KV events, per worker (router.kv_index)
 Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1/*, /generate, /admin/*.
 """
@@ -28,7 +30,7 @@ from router import lora
 from router.asgi import ProxyEndpoints, parse_json
 from router.auth import authorized
 from router.client import WorkerClient
-from router.config import RouterConfig, WorkerSpec
+from router.config import WORKER_ROLES, RouterConfig, WorkerSpec
 from router.discovery_k8s import K8sDiscovery
 from router.embeddings import add_embeddings_route
 from router.health import HealthChecker
@@ -159,8 +161,8 @@ def create_app(cfg: RouterConfig, state: RouterState | None = None) -> ProxyEndp
 
     @app.get("/health", responses=api_schema.status_object(503, "not ready: no healthy prefill or decode worker"))
     async def health() -> Response:
-        counts = {role: len(st.registry.eligible(role)) for role in ("prefill", "decode")}
-        ready = all(counts.values())
+        counts = {role: len(st.registry.eligible(role)) for role in WORKER_ROLES}
+        ready = counts["prefill"] > 0 and counts["decode"] > 0  # encoders are optional (images then go P -> D)
         body = {"status": "ok" if ready else "unavailable", "eligible_workers": counts}
         if not ready:
             body["message"] = "need at least one healthy prefill and one healthy decode worker"
@@ -217,7 +219,8 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
         if denied := authorized(cfg, request) or _single_process():
             return denied
         try:
-            add = validate(api_schema.AddWorkerRequest, await _read_json(request))  # the documented body
+            body = await _read_json(request)
+            add = validate(api_schema.AddWorkerRequest, body)
             spec = WorkerSpec(url=add.url, role=add.role, bootstrap_port=add.bootstrap_port)
         except ValueError as e:  # BadRequest and RequestInvalid are ValueErrors too
             return _error(400, str(e))

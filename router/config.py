@@ -2,7 +2,8 @@
 YAML file, then passed explicitly. Each field declares its flag (common.configs.option: help, choices;
 router.main generates the parser from them). Validation raises ValueError naming the flag.
 
-Worker flag syntax: `--prefill http://host:port[,bootstrap_port=N]`, `--decode http://host:port`.
+Worker flag syntax: `--prefill http://host:port[,bootstrap_port=N]`, `--decode http://host:port`,
+`--encoder http://host:port[,bootstrap_port=N]` (a vision encoder, E/P/D: router/proxy.py).
 YAML file (`--config`), every key optional, flags given on the command line win over it:
 
     prefill:
@@ -10,6 +11,9 @@ YAML file (`--config`), every key optional, flags given on the command line win 
         bootstrap_port: 8998          # optional: else read from the worker's /server_info
     decode:
       - url: http://10.0.0.2:30000
+    encoder:                          # optional: image requests go encoder -> prefill -> decode
+      - url: http://10.0.0.3:30000
+        bootstrap_port: 8998          # optional, as for a prefill
     prefill_policy: cache_aware
     decode_policy: least_load
     request_timeout: 600
@@ -27,12 +31,15 @@ from common.checks import need
 from common.configs import nested, option
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
-WORKER_ROLES = ("prefill", "decode")
+WORKER_ROLES = ("prefill", "decode", "encoder")
+BOOTSTRAP_ROLES = ("prefill", "encoder")  # roles that serve a bootstrap server (their peers connect to it)
+EMBEDDINGS_POOLS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A worker the router may use. `bootstrap_port` only matters for prefill; None = ask /server_info."""
+    """A worker the router may use. `bootstrap_port` only matters for a prefill or an encoder (BOOTSTRAP_ROLES);
+    None = ask /server_info."""
 
     url: str
     role: str
@@ -40,7 +47,7 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         if self.role not in WORKER_ROLES:
-            raise ValueError(f"worker role must be prefill or decode, got {self.role!r}")
+            raise ValueError(f"worker role must be one of {', '.join(WORKER_ROLES)}, got {self.role!r}")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"worker URL must look like http://host:port, got {self.url!r}")
@@ -62,9 +69,9 @@ class K8sConfig:
     selector: str = option("", "discover worker pods by this label selector")
     namespace: str = option("default", "namespace of the worker pods")
     api_server: str = option("", "Kubernetes API URL (default: in-cluster, with the service account token)")
-    role_label: str = option("pdserve.io/role", "pod label holding the role (prefill/decode)")
+    role_label: str = option("pdserve.io/role", "pod label holding the role (prefill/decode/encoder)")
     bootstrap_port_annotation: str = option("pdserve.io/bootstrap-port", "pod annotation holding a prefill's "
-                                            "bootstrap port")
+                                            "(or an encoder's) bootstrap port")
     worker_port: int = option(30000, "HTTP port of the worker pods", name="--k8s-port")
     token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
@@ -85,14 +92,14 @@ class RouterConfig:
 
     host: str = option("127.0.0.1", "HTTP bind address")
     port: int = option(8000, "HTTP port")
-    workers: tuple[WorkerSpec, ...] = ()  # --prefill / --decode (router.main), or the --config file's
+    workers: tuple[WorkerSpec, ...] = ()  # --prefill / --decode / --encoder (router.main), or the --config file's
     prefill_policy: str = option("least_load", "how a prefill worker is picked (default {default})", choices=POLICIES,
                                  cli_default=None)
     decode_policy: str = option("least_load", "how a decode worker is picked (default {default})", choices=POLICIES,
                                 cli_default=None)
     embeddings_pool: str = option(
         "prefill", "POST /v1/embeddings is forwarded, body untouched, to the least loaded healthy worker of this pool "
-        "(default {default}): a forward without generation, like a prefill's", choices=WORKER_ROLES,
+        "(default {default}): a forward without generation, like a prefill's", choices=EMBEDDINGS_POOLS,
         cli_default=None)  # router.embeddings
     cache_threshold: float = option(
         0.3, "cache_aware: a worker wins on its prefix tree when that tree holds at least this share of the prompt "
@@ -147,7 +154,7 @@ class RouterConfig:
         need(0 <= self.port < 65536, "--port must be in 0..65535")
         need(self.prefill_policy in POLICIES, f"--prefill-policy must be one of {POLICIES}")
         need(self.decode_policy in POLICIES, f"--decode-policy must be one of {POLICIES}")
-        need(self.embeddings_pool in WORKER_ROLES, f"--embeddings-pool must be one of {WORKER_ROLES}")
+        need(self.embeddings_pool in EMBEDDINGS_POOLS, f"--embeddings-pool must be one of {EMBEDDINGS_POOLS}")
         need(self.request_timeout_s > 0, "--request-timeout must be > 0")
         need(self.connect_timeout_s > 0, "connect timeout must be > 0")
         need(self.max_retries >= 0, "--max-retries must be >= 0")
@@ -175,8 +182,8 @@ def parse_worker_flag(text: str, role: str) -> WorkerSpec:
         key, _, value = opt.partition("=")
         if key != "bootstrap_port" or not value.isdigit():
             raise ValueError(f"bad worker option {opt!r} in {text!r} (expected bootstrap_port=N)")
-        if role != "prefill":
-            raise ValueError(f"bootstrap_port only applies to --prefill workers: {text!r}")
+        if role not in BOOTSTRAP_ROLES:
+            raise ValueError(f"bootstrap_port only applies to --prefill and --encoder workers: {text!r}")
         port = int(value)
     return WorkerSpec(url=url, role=role, bootstrap_port=port)
 

@@ -1,9 +1,9 @@
 """Kubernetes pod discovery through the API server's REST API (list, then watch), no client library.
 
 Pods matching `--k8s-selector` in `--k8s-namespace` become workers when they are Running, Ready, have
-a pod IP, are not being deleted, and carry the role label (`pdserve.io/role`: prefill or decode).
-Worker URL: `http://<podIP>:<--k8s-port>`; a prefill's bootstrap port comes from the annotation
-`pdserve.io/bootstrap-port` (else from its /server_info). A pod that stops qualifying, or is
+a pod IP, are not being deleted, and carry the role label (`pdserve.io/role`: prefill, decode or encoder).
+Worker URL: `http://<podIP>:<--k8s-port>`; a prefill's (or an encoder's) bootstrap port comes from the
+annotation `pdserve.io/bootstrap-port` (else from its /server_info). A pod that stops qualifying, or is
 deleted, is removed. The watch resumes from the last resourceVersion and relists on 410 Gone or
 any error (with backoff). Only workers this discovery added are ever removed by it.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from router.config import K8sConfig, WorkerSpec
+from router.config import BOOTSTRAP_ROLES, WORKER_ROLES, K8sConfig, WorkerSpec
 from router.health import HealthChecker
 from router.registry import Registry
 
@@ -34,13 +34,13 @@ def pod_worker(pod: dict, cfg: K8sConfig) -> WorkerSpec | None:
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
-    if role not in ("prefill", "decode") or not ip or not ready or status.get("phase") != "Running":
+    if role not in WORKER_ROLES or not ip or not ready or status.get("phase") != "Running":
         return None
     if meta.get("deletionTimestamp"):
         return None
     port = None
     raw = (meta.get("annotations") or {}).get(cfg.bootstrap_port_annotation)
-    if role == "prefill" and raw is not None:
+    if role in BOOTSTRAP_ROLES and raw is not None:
         try:
             port = int(raw)
         except ValueError:

@@ -1,7 +1,7 @@
 """Health checking: every `health_interval` each worker's GET /health is probed. A passing probe
 admits (or re-admits) the worker; `health_failures` failures in a row (probes and proxied requests
 both count) eject it; the last eligible worker of a role is ejected by failed probes only. A prefill
-whose bootstrap port is unknown also has its /server_info read (`bootstrap_port`, and
+(or an encoder) whose bootstrap port is unknown also has its /server_info read (`bootstrap_port`, and
 `advertise_host`/`bootstrap_host` when present) before it becomes eligible. With `on_server_info` set
 (the KV index's subscribers, router/kv_index.py), /server_info is read at every admission (a restarted
 worker may publish its KV events elsewhere) and handed to it.
@@ -17,6 +17,7 @@ import httpx
 
 from router import lora
 from router.client import WorkerClient
+from router.config import BOOTSTRAP_ROLES
 from router.registry import Registry, Worker
 
 ServerInfoHook = Callable[[Worker, dict], None]
@@ -43,7 +44,7 @@ class HealthChecker:
             reason = f"/health answered {r.status_code}"
             if ok:
                 w.loras = lora.adapters_of(r)
-            if ok and (not w.served_model_name or (w.role == "prefill" and w.bootstrap_port is None)):
+            if ok and (not w.served_model_name or (w.role in BOOTSTRAP_ROLES and w.bootstrap_port is None)):
                 info = await self.client.server_info(w, self.timeout_s)
                 self._apply_server_info(w, info)
                 if self.on_server_info is not None:
@@ -73,7 +74,7 @@ class HealthChecker:
         role = info.get("role")
         if role not in (None, w.role):
             log.warning("worker %s registered as %s reports role %r", w.url, w.role, role)
-        if w.role != "prefill":
+        if w.role not in BOOTSTRAP_ROLES:
             return
         host = str(info.get("bootstrap_host") or info.get("advertise_host") or "")
         if host and host not in _LOCAL_HOSTS:  # a loopback advertise host is only right on one node

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", default=[], metavar="URL[,bootstrap_port=N]",
                    help="a prefill worker (repeatable); without bootstrap_port it is read from /server_info")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
+    p.add_argument("--encoder", action="append", default=[], metavar="URL[,bootstrap_port=N]",
+                   help="a vision encoder worker (repeatable): requests with images go encoder -> prefill -> decode; "
+                   "without bootstrap_port it is read from /server_info")
     p.add_argument("--config", default=None, help="YAML file with workers and settings (flags win over it)")
     add_flags(p, list(specs(RouterConfig)))
     add_observability_args(p)
@@ -39,13 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     """RouterConfig from the parsed flags over the --config file: each field from the flag of its name
     (common.configs; a flag left unset parses as None and keeps the file's value, else the default),
-    K8sConfig from the --k8s-* flags by name. Derived: the workers of --prefill/--decode (replacing the
+    K8sConfig from the --k8s-* flags by name. Derived: the workers of --prefill/--decode/--encoder (replacing the
     file's), the API keys and internal token read from their files, request_log from --log-format json.
     ValueError (naming the flag) from the configs' validation."""
     kw = load_yaml(ns.config) if ns.config else {}
-    workers = [parse_worker_flag(u, "prefill") for u in ns.prefill] + [
-        parse_worker_flag(u, "decode") for u in ns.decode
-    ]
+    workers = [parse_worker_flag(u, role) for role in ("prefill", "decode", "encoder") for u in getattr(ns, role)]
     if workers:
         kw["workers"] = tuple(workers)
     if ns.api_key_file:

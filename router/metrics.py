@@ -5,6 +5,9 @@ per-worker gauges are read from the registry at scrape time by a custom collecto
     pdserve_router_retries_total                      attempts re-run on another pair
     pdserve_router_prefill_here_total                 decodes asked to prefill (their prefill was busy)
     pdserve_router_worker_busy_total{role}            overload refusals (a 503 with retry_after), tried elsewhere
+    pdserve_router_image_requests_total{path}         requests with images by the path of their last attempt: epd
+                                                      (through an encoder) or pd (no encoder eligible: the prefill
+                                                      runs the vision tower); a migrated stream's new leg counts again
     pdserve_router_ejections_total{role,url}          healthy -> ejected transitions
     pdserve_router_ttft_seconds                       router-side time to first streamed token event
     pdserve_router_itl_seconds                        router-side gap between streamed events
@@ -81,6 +84,10 @@ class RouterMetrics:
             "pdserve_router_worker_busy_total",
             "Attempts a worker refused as overloaded (a 503 with retry_after): not failures, tried on another "
             "worker of the role", ("role",), r)
+        self.image_requests = LabeledCounter(
+            "pdserve_router_image_requests_total",
+            "Requests with images by path: epd (encoder -> prefill -> decode) or pd (no encoder eligible)", ("path",),
+            r)
         self.migrations = LabeledCounter("pdserve_router_migrations_total",
                                          "Streams moved to another pair after their decode failed mid-stream", (), r)
         self.ejections = LabeledCounter("pdserve_router_ejections_total",

@@ -5,7 +5,8 @@ A client body is validated with the model the services parse it with and the Ope
 (common/api_requests.py: types, ranges, shapes, one message naming the field), so a body the router
 passes is one the services take, bar what only a worker knows (its vocabulary, its context length,
 grammars that compile). The router adds its own rules (sessions: a PD pair keeps none) and reads what it
-needs from the validated model: the prompt (for cache_aware and the load estimate), max tokens, n, stream.
+needs from the validated model: the prompt (for cache_aware and the load estimate), max tokens, n, stream,
+and whether the request carries images (then an encoder may run them: router/proxy.py, E/P/D).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from common.api_requests import (
 )
 from common.checks import need
 from common.http import (
+    ENCODER_HOST_KEY,
+    ENCODER_PORT_KEY,
     PREFILL_HERE_KEY,
     error_body,  # noqa: F401 (the router's modules import it from here)
 )
@@ -38,6 +41,9 @@ ENDPOINTS = tuple(MODELS)
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
 CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
 LIST_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+# E/P/D: where the prefill reaches the encoder that sends it the request's image embeddings (same room).
+# Set by the router only (on the prefill's body, when it picked an encoder), stripped from client bodies.
+ROLES = ("prefill", "decode", "encoder")  # what a worker's error may blame (`error.fault`)
 
 
 class BadRequest(ValueError):
@@ -56,16 +62,28 @@ class ProxyRequest:
     n: int = 1  # choices (the decode streams them interleaved, each event with its index)
     trace: Any = None  # the request's span while tracing is on (common.tracing), else None
     exact: ExactPrompt | None = None  # token ids (+ salt, adapter) when the prompt is ids: exact KV index lookups
+    images: bool = False  # chat image_url parts or /generate image_data: an encoder may run them (E/P/D)
 
-    def prefill_body(self, host: str, port: int, room: int) -> dict:
+    def prefill_body(self, host: str, port: int, room: int, encoder: tuple[str, int] | None = None) -> dict:
+        """P's body: D's with `stream: false`; with `encoder` (E's bootstrap host and port) the prefill
+        receives the request's image embeddings from that encoder (same room)."""
         body = self.decode_body(host, port, room)
         body["stream"] = False  # the router only needs prefill's final status (and input logprobs)
         body.pop("stream_options", None)
+        if encoder is not None:
+            body[ENCODER_HOST_KEY], body[ENCODER_PORT_KEY] = encoder
         return body
+
+    def encoder_body(self, host: str, port: int, room: int) -> dict:
+        """E's body: the request as P gets it (`stream: false`), with E's own bootstrap server and the room."""
+        return self.prefill_body(host, port, room)
 
     def decode_body(self, host: str, port: int, room: int, prefill_here: bool = False) -> dict:
         body = {**self.body, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
         body.pop(PREFILL_HERE_KEY, None)  # the router's to set, never a client's
+        if ENCODER_HOST_KEY in body or ENCODER_PORT_KEY in body:  # likewise (a client naming a host to connect to)
+            body.pop(ENCODER_HOST_KEY, None)
+            body.pop(ENCODER_PORT_KEY, None)
         if prefill_here:
             body[PREFILL_HERE_KEY] = True
         return body
@@ -116,7 +134,24 @@ def parse_request(endpoint: str, body: Any) -> ProxyRequest:
         input_logprobs=input_lp,
         n=n,
         exact=None if m.routing_key is not None else _exact(endpoint, prompt, body),
+        images=_has_images(endpoint, body),
     )
+
+
+def _has_images(endpoint: str, body: dict) -> bool:
+    """Whether a validated body carries images: a chat message whose content list holds an `image_url` part,
+    or /generate's `image_data` (a non-empty string or list). Only the parts' types are read."""
+    if endpoint == "/generate":
+        return bool(body.get("image_data"))
+    if endpoint != "/v1/chat/completions":
+        return False
+    for msg in body["messages"]:
+        content = msg.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") == "image_url":
+                    return True
+    return False
 
 
 def _exact(endpoint: str, prompt: str | list[int], body: dict) -> ExactPrompt | None:
@@ -131,15 +166,27 @@ def _exact(endpoint: str, prompt: str | list[int], body: dict) -> ExactPrompt | 
 
 
 def _prompt_of(m: Any, body: dict) -> str | list[int]:
-    """The prompt as cache_aware routes by it: text, token ids, or the chat messages as role:content lines."""
+    """The prompt as cache_aware routes by it: text, token ids, or the chat messages as role:content lines (an
+    image part by its URL's digest: a data: URL's megabytes of base64 would fill the prefix index and the
+    load estimate, and the digest tells images apart as well)."""
     if isinstance(m, ChatCompletionRequest):
-        return "".join(f"{msg['role']}:{orjson.dumps(msg.get('content')).decode()}\n" for msg in body["messages"])
+        return "".join(f"{msg['role']}:{orjson.dumps(_routed(msg.get('content'))).decode()}\n"
+                       for msg in body["messages"])
     if isinstance(m, CompletionRequest):
         prompt = m.prompt
         return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], str | list) else prompt
     if m.text is not None:
         return m.text
     return m.input_ids if m.input_ids is not None else ""  # input_embeds: no prefix to route by (issue 40)
+
+
+def _routed(content: Any) -> Any:
+    """A chat message's content as routing text sees it: image parts' URLs replaced by their SHA-256."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "image_url", "image_url": hashlib.sha256(str(
+        (p.get("image_url") or {}).get("url", "")).encode()).hexdigest()}
+            if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
 
 
 def _routing(key: str | None) -> str:
@@ -187,9 +234,9 @@ def _error_field(obj: Any, key: str) -> Any:
 
 
 def fault_of(obj: Any) -> str:
-    """The PD role a worker's error object blames ("prefill" | "decode"), or "" when it blames none."""
+    """The role a worker's error object blames ("prefill" | "decode" | "encoder"), or "" when it blames none."""
     fault = _error_field(obj, "fault")
-    return fault if fault in ("prefill", "decode") else ""
+    return fault if fault in ROLES else ""
 
 
 def retry_after_of(obj: Any) -> int:

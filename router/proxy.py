@@ -1,28 +1,37 @@
-"""Prefill/decode dispatch of one client request.
+"""Prefill/decode (and encoder, for requests with images) dispatch of one client request.
 
 1. Pick a prefill P and a decode D (each role's policy, over eligible workers, avoiding workers that
    already failed this request), mint a random 63-bit `bootstrap_room`.
 2. POST the body plus `bootstrap_host`/`bootstrap_port` (P's bootstrap server)/`bootstrap_room` to P
    and D at once. P gets `stream: false`: its JSON answer tells the router whether prefill worked (and
    carries the prompt's input logprobs); D's answer (JSON or SSE stream) is what the client gets.
-3. Until the first token reaches the client (unary: until D's whole answer), a failure of either side
-   (transport error, timeout, 5xx, error object) aborts the room on both sides and the request is
-   retried on another pair with a new room, at most `max_retries` times. The failure counts against
-   the worker that caused it: the side that answered, unless its error names the other role as at
-   fault (`error.fault`, e.g. a decode whose prefill went silent). A 4xx is the client's fault: it is
-   relayed, not retried. A client disconnect aborts both sides. When no worker of a role is eligible,
-   the request waits up to `worker_wait_s` for one (health probes re-admit workers), then gets a 503
-   with Retry-After.
+   E/P/D: a request with images (`ProxyRequest.images`) also gets an encoder E when one is eligible that has
+   neither failed nor refused it (least outstanding requests, ties in rotation; never waited for). E gets the
+   body as P does (`stream: false`) with its own bootstrap server and the room; P's body adds
+   `encoder_bootstrap_host`/`encoder_bootstrap_port` (E's): E sends the image embeddings to P as P sends KV
+   to D. All three are posted at once; E answers once the embeddings were sent. With no such encoder the
+   request goes P -> D (the prefill runs the vision tower itself); counted either way in
+   `pdserve_router_image_requests_total{path="epd"|"pd"}`.
+3. Until the first token reaches the client (unary: until D's whole answer), a failure of any side
+   (transport error, timeout, 5xx, error object; E is a side like P) aborts the room on every side and the
+   request is retried on another pair (triple) with a new room, at most `max_retries` times. The failure
+   counts against the worker that caused it: the side that answered, unless its error names another role
+   of the attempt as at fault (`error.fault`, e.g. a decode whose prefill went silent, a prefill whose
+   encoder did). A 4xx is the client's fault: it is relayed, not retried. A client disconnect aborts
+   every side. When no prefill or decode is eligible, the request waits up to `worker_wait_s` for one
+   (health probes re-admit workers), then gets a 503 with Retry-After.
    An overload refusal (a 503 whose error names `retry_after`: a full queue, a queue deadline passed;
    for a stream, its first event) is no failure: nothing is recorded against the worker, the attempt
    is re-run on another worker of that role that has not refused the request (within `max_retries`),
-   and when none is left the client gets that 503 with the largest Retry-After the workers named.
+   and when none is left the client gets that 503 with the largest Retry-After the workers named. An
+   encoder that failed or refused is not picked again for the request; with none left the next attempt
+   goes P -> D.
 4. Once streaming began, a failure of D (transport error, stream cut before `[DONE]`, a 5xx error
-   event) migrates the stream (router/migration.py): the request goes to another pair
-   with the prompt plus the tokens streamed so far and the remaining budget, and the client's stream
-   continues with the same id, at most `migration_limit` times. Otherwise (or with no worker left) the
-   stream ends with a `data: {"error": ...}` event. A stream that does not end cleanly (error, client
-   disconnect) aborts the room on both sides.
+   event) migrates the stream (router/migration.py): the request goes to another pair (with a new
+   encoder for an image request, or none) with the prompt plus the tokens streamed so far and the
+   remaining budget, and the client's stream continues with the same id, at most `migration_limit` times.
+   Otherwise (or with no worker left) the stream ends with a `data: {"error": ...}` event. A stream that
+   does not end cleanly (error, client disconnect) aborts the room on every side.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from router.http1 import Response
 from router.kv_index import ExactPrompt, KVIndex, cached_tokens_of
 from router.metrics import RouterMetrics
 from router.migration import StreamLedger, migratable, with_token_ids
-from router.policies import Policy
+from router.policies import LeastLoad, Policy
 from router.protocol import (
     ProxyRequest,
     error_body,
@@ -86,7 +95,7 @@ class SideResult:
     body: Any = None
     message: str = ""
     raw: bytes = b""  # the body as received (relayed as is when nothing was merged into it)
-    fault: str = ""  # the role the worker's error blames ("prefill" | "decode"), "" = itself
+    fault: str = ""  # the role the worker's error blames ("prefill" | "decode" | "encoder"), "" = itself
     retry_after: int = 0  # an overload refusal's seconds to wait (its error's `retry_after`), 0 = none
 
     @property
@@ -120,7 +129,7 @@ class Refusals:
     Retry-After any of them named."""
 
     def __init__(self) -> None:
-        self.urls: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        self.urls: dict[str, set[str]] = {"prefill": set(), "decode": set(), "encoder": set()}
         self.message = ""
         self.retry_after_s = 0
 
@@ -131,6 +140,27 @@ class Refusals:
 
     def error(self) -> ProxyError:
         return ProxyError(503, self.message, retry_after_s=self.retry_after_s)
+
+
+@dataclass(slots=True)
+class Picks:
+    """One attempt's workers and room: prefill P, decode D and, for an image request when an encoder was
+    eligible, encoder E (else None: P -> D)."""
+
+    p: Worker
+    d: Worker
+    room: int
+    e: Worker | None = None
+
+    def sides(self) -> dict[str, Worker]:
+        sides = {"prefill": self.p, "decode": self.d}
+        if self.e is not None:
+            sides["encoder"] = self.e
+        return sides
+
+    def urls(self) -> dict[str, str]:
+        """The workers by role, for the request log and spans."""
+        return {role: w.url for role, w in self.sides().items()}
 
 
 @dataclass
@@ -190,7 +220,7 @@ class Proxy:
     ) -> None:
         self.registry = registry
         self.client = client
-        self.policies = policies
+        self.policies = {"encoder": LeastLoad(), **policies}  # encoders: least outstanding requests, ties rotate
         self.metrics = metrics
         self.max_retries = max_retries
         self.worker_wait_s = worker_wait_s  # how long a request waits for an eligible worker of a role
@@ -206,9 +236,7 @@ class Proxy:
     # ---- public API -------------------------------------------------------------------------------
     async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
         """Run a non-streaming request: decode's (status, JSON bytes). Raises ProxyError/ClientGone."""
-        return await self._with_retries(
-            req, lambda p, d, room, tp: self._attempt_unary(req, p, d, room, tp, disconnected)
-        )
+        return await self._with_retries(req, lambda w, tp: self._attempt_unary(req, w, tp, disconnected))
 
     async def stream(
         self, req: ProxyRequest, disconnected: Disconnected | None = None
@@ -217,10 +245,8 @@ class Proxy:
         t0 = time.monotonic()
         if migratable(req, self.migration_limit):
             req = with_token_ids(req)
-        start, p, d, room = await self._with_retries(
-            req, lambda p, d, room, tp: self._attempt_stream(req, p, d, room, tp, disconnected)
-        )
-        return self._relay(req, start, p, d, room, t0)
+        start, w = await self._with_retries(req, lambda w, tp: self._attempt_stream(req, w, tp, disconnected))
+        return self._relay(req, start, w, t0)
 
     # ---- pairing and retries ------------------------------------------------------------------------
     async def _pick(
@@ -245,60 +271,91 @@ class Proxy:
         fresh = [w for w in willing if w.url not in tried]
         return self.policies[role].pick(lora.prefer(fresh or willing, adapter), prefix, exact)
 
-    async def _with_retries(self, req: ProxyRequest, attempt, avoid_decode: str = ""):
-        tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}}
+    async def _pick_encoder(
+        self, req: ProxyRequest, tried: set[str], refused: Refusals, span: Any = None
+    ) -> Worker | None:
+        """E/P/D: for an image request, an eligible encoder that has neither failed nor refused it (the encoder
+        policy: least outstanding requests, ties in rotation); None for a text request or when there is none:
+        the request then goes P -> D (the prefill runs the vision tower). Never waits for one."""
+        if not req.images:
+            return None
+        shunned = refused.urls["encoder"]
+        willing = [w for w in self.registry.eligible("encoder") if w.url not in tried and w.url not in shunned]
+        if not willing:
+            return None
+        if span is not None:
+            return await spans.traced_pick(lambda: self._pick_encoder(req, tried, refused), span, "encoder",
+                                           len(tried), lambda: len(self.registry.eligible("encoder")))
+        return self.policies["encoder"].pick(willing, req.prefix)
+
+    async def _with_retries(self, req: ProxyRequest, attempt: Callable[[Picks, str], Awaitable[Any]],
+                            avoid_decode: str = "") -> Any:
+        """`attempt(picks, traceparent)` on picked workers until one succeeds, a client error ends it, or the
+        attempts run out (ProxyError). An image request's path (epd | pd) is counted by its last attempt."""
+        tried: dict[str, set[str]] = {"prefill": set(), "decode": {avoid_decode} - {""}, "encoder": set()}
         refused = Refusals()
         last: AttemptFailed | None = None
-        for n in range(self.max_retries + 1):
-            span = None if req.trace is None else spans.attempt_span(req.trace, n)
-            try:
-                adapter = lora.adapter_of(req)
-                p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, adapter, req.exact)
-                d = await self._pick("decode", req.prefix, tried["decode"], refused, span, adapter, req.exact)
-                if n:  # a retry is an attempt made again (not one every worker refused before it began)
-                    self.metrics.retries.inc()
-                room = secrets.randbits(63)
-                if span is not None:
-                    span.set_attributes({"prefill": p.url, "decode": d.url, "room": room})
-                return await attempt(p, d, room, tracing.traceparent(span))
-            except AttemptFailed as e:
-                if span is not None:
-                    spans.attempt_failed(span, e.side, e.worker.url, str(e))
-                if e.result.busy:
-                    self.metrics.worker_busy.inc(role=e.side)
-                    refused.add(e.side, e.worker, e.result)
-                elif not e.result.worker_fault:
-                    raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
-                else:
-                    tried[e.side].add(e.worker.url)
-                last = e
-            finally:
-                if span is not None:
-                    span.end()
+        path = ""
+        try:
+            for n in range(self.max_retries + 1):
+                span = None if req.trace is None else spans.attempt_span(req.trace, n)
+                try:
+                    adapter = lora.adapter_of(req)
+                    p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, adapter, req.exact)
+                    d = await self._pick("decode", req.prefix, tried["decode"], refused, span, adapter, req.exact)
+                    enc = await self._pick_encoder(req, tried["encoder"], refused, span) if req.images else None
+                    if n:  # a retry is an attempt made again (not one every worker refused before it began)
+                        self.metrics.retries.inc()
+                    w = Picks(p, d, secrets.randbits(63), enc)
+                    path = "pd" if enc is None else "epd"
+                    if span is not None:
+                        span.set_attributes({**w.urls(), "room": w.room})
+                    return await attempt(w, tracing.traceparent(span))
+                except AttemptFailed as e:
+                    if span is not None:
+                        spans.attempt_failed(span, e.side, e.worker.url, str(e))
+                    if e.result.busy:
+                        self.metrics.worker_busy.inc(role=e.side)
+                        refused.add(e.side, e.worker, e.result)
+                    elif not e.result.worker_fault:
+                        raise ProxyError(e.result.status, e.result.message or "worker refused the request") from e
+                    else:
+                        tried[e.side].add(e.worker.url)
+                    last = e
+                finally:
+                    if span is not None:
+                        span.end()
+        finally:
+            if req.images and path:
+                self.metrics.image_requests.inc(path=path)
         assert last is not None
         if last.result.busy:  # the attempts ran out on a refusal: the client waits as the workers asked
             raise refused.error()
         status = 504 if "Timeout" in last.result.message else 502
         raise ProxyError(status, f"request failed after {self.max_retries + 1} attempt(s); last: {last}")
 
-    def _check(self, side: str, res: SideResult, pair: dict[str, Worker]) -> None:
-        """Record one side's answer; a failure raises AttemptFailed blaming the worker at fault, an overload
-        refusal raises it naming the side that refused (and records nothing)."""
+    def _check(self, side: str, res: SideResult, sides: dict[str, Worker]) -> None:
+        """Record one side's answer; a failure raises AttemptFailed blaming the worker at fault (`error.fault`
+        when it names a role of this attempt, else the side that answered), an overload refusal raises it
+        naming the side that refused (and records nothing)."""
         if res.ok:
             self.registry.record_success(res.worker)
             return
         if res.busy:  # refused as overloaded (the side its fault names, e.g. a prefill relaying its decode's
             # refusal): the worker is sound, nothing is recorded against it
-            refuser = res.fault if res.fault in pair else side
-            raise AttemptFailed(refuser, pair[refuser], res)
-        blamed = res.fault if res.fault in pair and res.worker_fault else side
+            refuser = res.fault if res.fault in sides else side
+            raise AttemptFailed(refuser, sides[refuser], res)
+        blamed = res.fault if res.fault in sides and res.worker_fault else side
         if res.worker_fault:
-            self.registry.record_failure(pair[blamed], f"{res.message} (reported by {side} {res.worker.url})")
-        raise AttemptFailed(blamed, pair[blamed], res)
+            self.registry.record_failure(sides[blamed], f"{res.message} (reported by {side} {res.worker.url})")
+        raise AttemptFailed(blamed, sides[blamed], res)
 
-    def _abort_both(self, p: Worker, d: Worker, room: int) -> None:
-        self.client.abort_room_soon(p, room)
-        self.client.abort_room_soon(d, room)
+    def _abort_all(self, w: Picks) -> None:
+        """Abort the attempt's room on every side (an encoder takes the same abort as a prefill)."""
+        self.client.abort_room_soon(w.p, w.room)
+        self.client.abort_room_soon(w.d, w.room)
+        if w.e is not None:
+            self.client.abort_room_soon(w.e, w.room)
 
     def _keep(self, task: asyncio.Task) -> None:
         self._background.add(task)
@@ -307,16 +364,19 @@ class Proxy:
     async def _await_sides(
         self,
         req: ProxyRequest,
-        pair: dict[str, Worker],
+        sides: dict[str, Worker],
         p_task: asyncio.Task,
         d_task: asyncio.Task,
+        e_task: asyncio.Task | None,
         disconnected: Disconnected | None,
     ) -> None:
         """Wait until decode answered (and prefill too when its logprobs are needed); fail fast on
-        either side's failure or a client disconnect. The disconnect watcher (a task) starts only
-        when the answer takes longer than WATCH_AFTER_S: most fast answers never need one."""
+        any side's failure (the encoder's included) or a client disconnect. The disconnect watcher (a task)
+        starts only when the answer takes longer than WATCH_AFTER_S: most fast answers never need one."""
         watch: asyncio.Future | None = None
         pending = {p_task, d_task}
+        if e_task is not None:
+            pending.add(e_task)
         try:
             while d_task in pending or (req.input_logprobs and p_task in pending):
                 if watch is None:
@@ -333,9 +393,8 @@ class Proxy:
                 for t in done:
                     pending.discard(t)
                     res = t.result()
-                    self._check(
-                        "prefill" if t is p_task else "decode", res[0] if isinstance(res, tuple) else res, pair
-                    )
+                    side = "decode" if t is d_task else "prefill" if t is p_task else "encoder"
+                    self._check(side, res[0] if isinstance(res, tuple) else res, sides)
         finally:
             if watch is not None:
                 watch.cancel()
@@ -368,33 +427,39 @@ class Proxy:
     async def _attempt(
         self,
         req: ProxyRequest,
-        p: Worker,
-        d: Worker,
-        room: int,
+        w: Picks,
         tp: str,
         disconnected: Disconnected | None,
         call_decode: Callable[[Worker, str, dict, int, str], Awaitable[Any]],
         answer: Callable[[asyncio.Task, Any], Any],
         abandoned: Callable[[asyncio.Task], None] | None = None,
     ) -> Any:
-        """One attempt on the pair (P, D): P gets the prefill body and D the decode body at once
-        (`call_decode`: D's call, a JSON post or a stream's opening), both are awaited (_await_sides),
-        then `answer(p_task, D's result)` is the attempt's result. On any failure both calls are
-        cancelled (`abandoned` runs when D's call ends anyway) and the room is aborted on both sides;
-        on success P's call is kept until it ends (its transfer bookkeeping)."""
+        """One attempt on the pair (P, D), or the triple (E, P, D): E gets the encoder body, P the prefill
+        body and D the decode body at once (`call_decode`: D's call, a JSON post or a stream's opening), all
+        are awaited until D answered (_await_sides), then `answer(p_task, D's result)` is the attempt's
+        result. On any failure every call is cancelled (`abandoned` runs when D's call ends anyway) and the
+        room is aborted on every side; on success P's (and E's) call is kept until it ends (its transfer
+        bookkeeping)."""
+        p, room = w.p, w.room
         host, port = p.bootstrap_host, p.bootstrap_port
-        here = self._prefill_busy(p)
+        e_task: asyncio.Task | None = None
+        encoder: tuple[str, int] | None = None
+        if w.e is not None and w.e.bootstrap_port is not None:  # eligible: its port is known
+            encoder = (w.e.bootstrap_host, w.e.bootstrap_port)
+            e_task = asyncio.ensure_future(self._post_json(w.e, req.endpoint, req.encoder_body(*encoder, room), 0, tp))
+        here = encoder is None and self._prefill_busy(p)  # the prefill that E sends to must be the one that runs it
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room), req.prompt_tokens, tp)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room, encoder), req.prompt_tokens, tp)
         )
         d_task = asyncio.ensure_future(
             call_decode(
-                d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens, tp
+                w.d, req.endpoint, req.decode_body(host, port, room, here), req.prompt_tokens + req.max_new_tokens,
+                tp,
             )
         )
         ok = False
         try:
-            await self._await_sides(req, {"prefill": p, "decode": d}, p_task, d_task, disconnected)
+            await self._await_sides(req, w.sides(), p_task, d_task, e_task, disconnected)
             out = answer(p_task, d_task.result())
             ok = True
             if self.kv_index is not None and req.exact is not None:
@@ -403,15 +468,19 @@ class Proxy:
         finally:
             if ok:
                 self._keep(p_task)  # prefill may still be finishing its transfer bookkeeping
+                if e_task is not None:
+                    self._keep(e_task)
             else:
                 p_task.cancel()
                 d_task.cancel()
+                if e_task is not None:
+                    e_task.cancel()
                 if abandoned is not None:
                     d_task.add_done_callback(abandoned)
-                self._abort_both(p, d, room)
+                self._abort_all(w)
 
     async def _attempt_unary(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
+        self, req: ProxyRequest, w: Picks, tp: str, disconnected: Disconnected | None
     ) -> tuple[int, bytes]:
         def answer(p_task: asyncio.Task, res: SideResult) -> tuple[int, bytes]:
             raw = res.raw
@@ -419,7 +488,7 @@ class Proxy:
                 raw = orjson.dumps(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))
             return res.status, raw
 
-        return await self._attempt(req, p, d, room, tp, disconnected, self._post_json, answer)
+        return await self._attempt(req, w, tp, disconnected, self._post_json, answer)
 
     async def _open_stream(
         self, w: Worker, endpoint: str, body: dict, tokens: int, tp: str
@@ -451,27 +520,24 @@ class Proxy:
                 lease.release()
 
     async def _attempt_stream(
-        self, req: ProxyRequest, p: Worker, d: Worker, room: int, tp: str, disconnected: Disconnected | None
-    ) -> tuple[StreamStart, Worker, Worker, int]:
+        self, req: ProxyRequest, w: Picks, tp: str, disconnected: Disconnected | None
+    ) -> tuple[StreamStart, Picks]:
         def answer(p_task: asyncio.Task, opened: tuple[SideResult, StreamStart | None]) -> tuple:
             res, start = opened
             assert start is not None
             if req.input_logprobs and isinstance(res.body, dict | list):  # /generate with n > 1: a list
                 start.first = sse_event(merge_input_logprobs(req.endpoint, p_task.result().body, res.body))[:-2]
-            return start, p, d, room
+            return start, w
 
-        return await self._attempt(req, p, d, room, tp, disconnected, self._open_stream, answer,
-                                   _close_started_stream)
+        return await self._attempt(req, w, tp, disconnected, self._open_stream, answer, _close_started_stream)
 
     # ---- relaying a started stream -----------------------------------------------------------------
-    async def _relay(
-        self, req: ProxyRequest, start: StreamStart, p: Worker, d: Worker, room: int, t0: float
-    ) -> AsyncIterator[bytes]:
+    async def _relay(self, req: ProxyRequest, start: StreamStart, w: Picks, t0: float) -> AsyncIterator[bytes]:
         """Relay decode's stream; when the decode fails mid-stream, migrate the request to another
         pair (router/migration.py) and relay that stream on, or end with an error event."""
         outcome = "client_disconnect"
         self.metrics.ttft.observe(time.monotonic() - t0)
-        span = None if req.trace is None else spans.stream_span(req.trace, d.url)
+        span = None if req.trace is None else spans.stream_span(req.trace, w.d.url)
         n_events = 0  # counted for the span and the request log
         ledger = StreamLedger(start.first, self.migration_limit) if migratable(req, self.migration_limit) else None
         try:
@@ -485,13 +551,13 @@ class Proxy:
                     start.lease.release()
                     start.response.close()
                     if leg.outcome != "200":
-                        self._abort_both(p, d, room)
+                        self._abort_all(w)
                 outcome, n_events = leg.outcome, n_events + leg.events
                 if not leg.failure:
                     break
                 outcome = "stream_error"
-                self.registry.record_failure(d, leg.detail)
-                failed = f"decode worker {d.url} failed mid-stream: {leg.failure}"
+                self.registry.record_failure(w.d, leg.detail)
+                failed = f"decode worker {w.d.url} failed mid-stream: {leg.failure}"
                 if ledger is None or not ledger.can_migrate():
                     yield sse_event(error_body(failed, 502)) + DONE_EVENT
                     break
@@ -499,8 +565,8 @@ class Proxy:
                 self.metrics.migrations.inc()
                 log.info("migrating a %s stream after %d tokens: %s", req.endpoint, len(ledger.ids), failed)
                 try:
-                    start, p, d, room = await self._with_retries(
-                        resumed, lambda p, d, room, tp, r=resumed: self._attempt_stream(r, p, d, room, tp, None), d.url
+                    start, w = await self._with_retries(  # an image request gets a new encoder (or none) too
+                        resumed, lambda w2, tp, r=resumed: self._attempt_stream(r, w2, tp, None), w.d.url
                     )
                 except ProxyError as e:
                     yield sse_event(error_body(f"{failed}; migration failed: {e.message}", e.status)) + DONE_EVENT
@@ -514,7 +580,7 @@ class Proxy:
             self.metrics.e2e.observe(time.monotonic() - t0)
             if self.request_log:
                 reqlog.finished(req.endpoint, outcome, time.monotonic() - t0, req.trace, stream=True,
-                                prefill=p.url, decode=d.url, room=room, events=n_events)
+                                **w.urls(), room=w.room, events=n_events)
             if span is not None:
                 spans.end_stream(span, req.trace, outcome, n_events)
 

@@ -1,7 +1,7 @@
-"""Worker registry: the router's view of its prefill and decode workers.
+"""Worker registry: the router's view of its prefill, decode and encoder workers.
 
 A worker is *eligible* for new requests when it is healthy (its last probes passed, fewer than
-`health_failures` failures in a row) and, for prefill, its bootstrap port is known. Request failures
+`health_failures` failures in a row) and, for a prefill or an encoder, its bootstrap port is known. Request failures
 never eject the last eligible worker of a role: with no alternative an ejection only turns every
 request into a 503, so health probes alone decide about that one. Load (outstanding requests and
 estimated tokens) is counted here by the proxy through `lease`. Everything runs on the router's
@@ -14,7 +14,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from router.config import WorkerSpec
+from router.config import BOOTSTRAP_ROLES, WorkerSpec
 
 log = logging.getLogger("router.registry")
 
@@ -22,7 +22,7 @@ log = logging.getLogger("router.registry")
 @dataclass
 class Worker:
     spec: WorkerSpec
-    bootstrap_host: str = ""  # host decodes use to reach this prefill's bootstrap server
+    bootstrap_host: str = ""  # host peers use to reach this prefill's (encoder's) bootstrap server
     bootstrap_port: int | None = None
     healthy: bool = False  # becomes True after the first passing probe
     consecutive_failures: int = 0
@@ -43,7 +43,7 @@ class Worker:
 
     @property
     def eligible(self) -> bool:
-        return self.healthy and (self.role != "prefill" or self.bootstrap_port is not None)
+        return self.healthy and (self.role not in BOOTSTRAP_ROLES or self.bootstrap_port is not None)
 
     def to_json(self) -> dict:
         return {

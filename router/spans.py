@@ -2,12 +2,13 @@
 
     router.request   the whole request (root; continues the client's traceparent); a stream ends it
                      when the relay ends, everything else when router.asgi answers
-    router.attempt   one try on a prefill/decode pair: attempt number, workers, room; failed with the
+    router.attempt   one try on a prefill/decode pair (plus encoder): attempt number, workers, room; failed with the
                      blamed side when the pair failed (a retry is the next attempt span)
     router.pick      one per role and attempt: the worker picked, the wait for an eligible one included
+                     (role encoder: only for an image request while an encoder is eligible)
     router.stream    relaying decode's events: event count and outcome
 
-Workers join the trace through the attempt's traceparent, sent as an HTTP header on both posts.
+Workers join the trace through the attempt's traceparent, sent as an HTTP header on every post.
 """
 
 from __future__ import annotations

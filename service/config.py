@@ -1,7 +1,9 @@
 """Frozen configuration of one service, built once in `main` from CLI flags and passed explicitly.
 
 PDConfig      prefill/decode transfer settings (`transfer_config(role)`: the transfer layer's config)
-ServerConfig  one service process group: HTTP address, role, PD transfer settings, EngineConfig,
+ImageConfig   image inputs of vision-language models: where images may come from and how big they may be
+              (service/images.py checks a request's images against it)
+ServerConfig  one service process group: HTTP address, role, PD transfer settings, EngineConfig, ImageConfig,
               and the ipc endpoints of its frontend<->worker channels (`endpoints`)
 
 Flags declared once: each field of these configs (and of the nested EngineConfig and SpecConfig) carries
@@ -30,35 +32,43 @@ from service.channels import Endpoints
 from service.reasoning import STYLES as REASONING_STYLES
 from transfer.config import TransferConfig
 
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "encoder")
 PD_ROLES = ("prefill", "decode")
+TRANSFER_ROLES = ("prefill", "decode", "encoder")  # every role on the transfer plane (an encoder sends to prefills)
+# the encoder role (`pdserve encoder`: a vision-language model's tower alone) takes only the flags declared for it
+# (roles naming "encoder"), the image flags and these of the rest: which model, where, threads, the HTTP server's
+ENCODER_FLAGS = frozenset({"model", "device", "dtype", "threads", "image_cache_mb", "served_model_name", "host",
+                           "port", "internal_token_file", "log_level", "drain_grace_s", "watchdog_timeout_s"})
 SERVER = Group("server")
 KV_EVENTS = Group("kv cache events", "vLLM-format KV cache events for KV-aware routers (docs/kv_events.md)")
 TRANSFER = Group("prefill/decode transfer")
+IMAGES = Group("image inputs", "images in chat requests (content parts of type image_url) for vision-language models: "
+               "where they may come from and how big they may be; a bad image is a 400 naming it")
 
 
 @dataclass(frozen=True)
 class PDConfig:
     """Prefill/decode transfer settings (unused in colocated mode); each field declares its flag."""
 
-    bootstrap_port: int = option(8998, "port of this prefill's bootstrap server (decodes connect here)",
-                                 group=TRANSFER, roles=("prefill",))
+    bootstrap_port: int = option(8998, "port of this prefill's (or encoder's) bootstrap server (decodes, or the "
+                                 "prefills an encoder sends image embeddings to, connect here)",
+                                 group=TRANSFER, roles=("prefill", "encoder"))
     advertise_host: str = option("", "address peers use to reach this node (default: --host, or 127.0.0.1 for "
-                                 "0.0.0.0)", group=TRANSFER, roles=PD_ROLES)  # "" in a config built without flags
+                                 "0.0.0.0)", group=TRANSFER, roles=TRANSFER_ROLES)  # "" in a config built without flags
     transfer_backend: str = option("ucx", "KV transfer backend (fake moves no bytes: tests only)", group=TRANSFER,
-                                   roles=PD_ROLES, choices=("ucx", "fake"))
+                                   roles=TRANSFER_ROLES, choices=("ucx", "fake"))
     bootstrap_timeout_s: float = option(
         60.0, "seconds a prefill waits for the decode's TransferInfo, counted again from each word of the decode "
         "that the request waits in its queue for KV memory; a decode says so at least 3 times per this many seconds "
-        "(give both roles the same value)", group=TRANSFER, roles=PD_ROLES, name="--bootstrap-timeout")
+        "(give both roles the same value)", group=TRANSFER, roles=TRANSFER_ROLES, name="--bootstrap-timeout")
     waiting_timeout_s: float = option(120.0, "seconds a decode waits for a room's KV to arrive", group=TRANSFER,
-                                      roles=PD_ROLES, name="--waiting-timeout")
+                                      roles=TRANSFER_ROLES, name="--waiting-timeout")
     heartbeat_interval_s: float = option(5.0, "seconds between transfer heartbeats; 3 missed fail the peer's rooms",
-                                         group=TRANSFER, roles=PD_ROLES, name="--heartbeat-interval")
+                                         group=TRANSFER, roles=TRANSFER_ROLES, name="--heartbeat-interval")
     progress_thread: bool = option(
         True, "move KV bytes, acks and heartbeats on a thread while a forward runs (default on; off: they move only "
         "between engine steps, so a long forward delays transfers and can miss heartbeats)", group=TRANSFER,
-        roles=PD_ROLES, name="--transfer-progress-thread", action="optional")
+        roles=TRANSFER_ROLES, name="--transfer-progress-thread", action="optional")
     local_prefill_threshold: int = option(
         256, "conditional disaggregation: a prompt of which at most this many tokens are not in this decode's "
         "prefix cache is prefilled here instead of on its prefill (which is told to skip it) while its local "
@@ -90,7 +100,7 @@ class PDConfig:
         "Retry-After (its prefill ends it too); keep it under the router's request timeout (600 s) so the router "
         "has time to try another decode (default 300)", group=TRANSFER, roles=("decode",), name="--queue-timeout")
     cluster_token: str | None = option(None, "file holding a shared token; control messages without it are "
-                                       "refused", group=TRANSFER, roles=PD_ROLES, name="--cluster-token-file",
+                                       "refused", group=TRANSFER, roles=TRANSFER_ROLES, name="--cluster-token-file",
                                        dest="cluster_token_file")
 
     def __post_init__(self) -> None:
@@ -121,8 +131,46 @@ class PDConfig:
 
 
 @dataclass(frozen=True)
+class ImageConfig:
+    """Where a request's images may come from and how big they may be (service/images.py); each field declares
+    its flag. Every role takes them: a prefill computes the image's tokens, a decode may prefill locally."""
+
+    image_url_fetch: bool = option(
+        False, "let requests name images by http:// or https:// URL, fetched by this service (streamed, at most "
+        "--max-image-bytes, within --image-fetch-timeout). Off by default: a client could make the service fetch "
+        "any address it can reach, internal ones included; data: URLs are always taken", group=IMAGES)
+    image_fetch_timeout_s: float = option(
+        10.0, "seconds one image fetch may take in all (connect, headers and body) before the request is refused "
+        "(default {default:g})", group=IMAGES, name="--image-fetch-timeout")
+    max_image_bytes: int = option(
+        20 * 1024 * 1024, "largest encoded image taken, in bytes, from a data: URL, a local file or a fetch "
+        "(default {default}: 20 MiB)", group=IMAGES)
+    image_dir: str = option(
+        "", "local images: requests may name files under this directory, as file:// URLs or absolute paths "
+        "(symlinks and .. resolved first; a path that leaves the directory is refused). \"\" (default): local "
+        "files are refused", group=IMAGES)
+    max_images_per_request: int = option(
+        8, "most images one request may carry (default {default}; 0: refuse images)", group=IMAGES)
+    max_image_pixels: int = option(
+        40_000_000, "largest decoded image taken, width * height, checked from the image's header before its "
+        "pixels are decoded (a decompression-bomb guard; default {default})", group=IMAGES)
+
+    def __post_init__(self) -> None:
+        if self.image_fetch_timeout_s <= 0:
+            raise ValueError("--image-fetch-timeout must be > 0")
+        if self.max_image_bytes < 1:
+            raise ValueError("--max-image-bytes must be >= 1")
+        if self.max_images_per_request < 0:
+            raise ValueError("--max-images-per-request must be >= 0 (0: refuse images)")
+        if self.max_image_pixels < 1:
+            raise ValueError("--max-image-pixels must be >= 1")
+        if self.image_dir and not os.path.isdir(self.image_dir):
+            raise ValueError(f"--image-dir {self.image_dir!r} is not a directory")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
-    """One service process group; each field declares its flag (the engine's and PD's nested in place)."""
+    """One service process group; each field declares its flag (the engine's, PD's and images' nested in place)."""
 
     role: str = "colocated"
     engine: EngineConfig = nested(EngineConfig)
@@ -143,6 +191,7 @@ class ServerConfig:
     otlp_endpoint: str = ""  # OTLP/HTTP collector for traces; "" = OTEL_* variables or off (common.logs flag)
     log_format: str = "text"  # text | json (JSON lines with the trace id; common.logs flag)
     pd: PDConfig = nested(PDConfig)
+    images: ImageConfig = nested(ImageConfig)
     drain_grace_s: float = option(30.0, "seconds in-flight requests may run after SIGTERM before they are aborted",
                                   name="--drain-grace")
     ipc_dir: str = ""  # where the zmq ipc sockets live; "" = a fresh temp dir (PDSERVE_IPC_DIR)
@@ -199,7 +248,10 @@ class ServerConfig:
 def server_specs(role: str, default: Any = FIELD) -> list[Spec]:  # noqa: ANN401
     """The flags of a `role` service, declared by the fields of ServerConfig (and its nested configs).
     `default`: as common.configs.specs (argparse.SUPPRESS for `pdserve up`'s forwarded flags)."""
-    return list(specs(ServerConfig, role, default=default))
+    out = list(specs(ServerConfig, role, default=default))
+    if role == "encoder":
+        out = [s for s in out if "encoder" in s.flag.roles or s.dest in ENCODER_FLAGS or s.flag.group is IMAGES]
+    return out
 
 
 def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -210,7 +262,7 @@ def add_server_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def build_parser(role: str, description: str | None = None) -> argparse.ArgumentParser:
-    """`pdserve colocated|prefill|decode`'s parser."""
+    """`pdserve colocated|prefill|decode|encoder`'s parser."""
     p = argparse.ArgumentParser(prog=f"pdserve {role}", description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(p, role)
@@ -226,19 +278,20 @@ def resolve_device(device: str) -> str:
 
 def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
     """The service's config from its parsed flags (build_parser): every field from the flag of its name
-    (common.configs.build; the other role's flags are absent, so those fields keep their defaults).
-    Derived: device and dtype `auto` resolved, the KV pool's default by device, the advertised host
-    (--advertise-host, else --host, else 127.0.0.1 for a wildcard), the tokens read from their files,
-    the ipc dir from PDSERVE_IPC_DIR. ValueError (naming the flag) from each config's validation."""
+    (common.configs.build; the other role's flags are absent, so those fields keep their defaults), the
+    nested ImageConfig's too. Derived: device and dtype `auto` resolved, the KV pool's default by device, the
+    advertised host (--advertise-host, else --host, else 127.0.0.1 for a wildcard), the tokens read from their
+    files, the ipc dir from PDSERVE_IPC_DIR. ValueError (naming the flag) from each config's validation."""
     device = resolve_device(ns.device)
     default_tokens = CPU_DEFAULT_TOKENS if device == "cpu" else EngineConfig.max_total_tokens
     eng = build(EngineConfig, ns, device=device,
                 dtype=ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32"),
-                max_total_tokens=ns.max_total_tokens or default_tokens, lora_paths=tuple(ns.lora_paths),
-                spec=build(SpecConfig, ns))
+                max_total_tokens=getattr(ns, "max_total_tokens", None) or default_tokens,
+                lora_paths=tuple(getattr(ns, "lora_paths", ())), spec=build(SpecConfig, ns))
     pd = PDConfig()
-    if role in PD_ROLES:
+    if role in TRANSFER_ROLES:
         adv = ns.advertise_host or (ns.host if ns.host not in ("0.0.0.0", "::") else "127.0.0.1")
         pd = build(PDConfig, ns, advertise_host=adv, cluster_token=read_secret(ns.cluster_token_file))
-    return build(ServerConfig, ns, role=role, engine=eng, pd=pd, internal_token=read_secret(ns.internal_token_file),
+    return build(ServerConfig, ns, role=role, engine=eng, pd=pd, images=build(ImageConfig, ns),
+                 internal_token=read_secret(ns.internal_token_file),
                  ipc_dir=os.environ.get("PDSERVE_IPC_DIR", ""))

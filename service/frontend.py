@@ -35,7 +35,7 @@ from common.api_requests import AbortRequest
 from common.http import TOKEN_HEADER, error_body
 from common.tracing import TRACEPARENT
 from engine.sampling.grammar import Grammars
-from service import embeddings
+from service import embeddings, image_prompt, images
 from service.config import ServerConfig
 from service.lora import AdapterTable, ModelNotFound
 from service.lora_routes import lora_routes
@@ -82,6 +82,7 @@ class FrontendState:
     # thread keeps requests reaching the worker in arrival order (the tokenizer releases the GIL)
     parse_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="pdserve-parse"))
+    vision: VisionInputs | None = None  # the model's image tokens and processor (None: not read yet)
 
     def served_name(self) -> str:
         if self.config.served_model_name:
@@ -104,9 +105,12 @@ class FrontendState:
         if self.grammars is None or self.grammars.key[1] != vocab:  # the model's vocabulary, not the tokenizer's
             self.warm_grammars(vocab)
         self.loras.sync(info)
+        if self.vision is None:
+            self.vision = VisionInputs.of(self.model_dir)
         return Limits(role=self.config.role, context_length=ctx, vocab_size=vocab,
                       model_name=self.served_name(), grammars=self.grammars,
-                      hidden_size=int(info.get("hidden_size") or 0), sessions=self.sessions, loras=self.loras)
+                      hidden_size=int(info.get("hidden_size") or 0), sessions=self.sessions, loras=self.loras,
+                      image_tokens=self.vision.tokens)
 
     async def parse(self, parse: Parser, raw: bytes) -> ParsedRequest:
         """`parse` of the body `raw`, run on `parse_pool` so the loop keeps relaying other requests'
@@ -117,7 +121,31 @@ class FrontendState:
         if hasattr(tok, "bounded"):  # test doubles may lack it
             tok = tok.bounded(limits.context_length - 1)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.parse_pool, _parse_body, parse, raw, tok, limits)
+        parsed = await loop.run_in_executor(self.parse_pool, _parse_body, parse, raw, tok, limits)
+        if parsed.image_urls:  # loaded, checked and preprocessed off the loop (service/images.py)
+            assert self.vision is not None
+            processed = await images.prepare_images(parsed.image_urls, self.vision.processor, self.config.images)
+            image_prompt.expand(parsed, processed, limits)
+        return parsed
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """A vision-language model's image token ids (config.json) and image processor (preprocessor_config.json)."""
+
+    tokens: tuple[int, int, int] | None  # (vision start, image, vision end); None: a text-only model
+    processor: Any  # service.images.ImageProcessor, or None
+
+    @classmethod
+    def of(cls, model_dir: str) -> VisionInputs:
+        try:
+            raw = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return cls(None, None)
+        ids = tuple(raw.get(k) for k in ("vision_start_token_id", "image_token_id", "vision_end_token_id"))
+        if "vision_config" not in raw or not all(isinstance(i, int) for i in ids):
+            return cls(None, None)
+        return cls(ids, images.ImageProcessor.from_model_dir(model_dir))  # type: ignore[arg-type]
 
 
 def _parse_body(parse: Parser, raw: bytes, tok: Any, limits: Limits) -> ParsedRequest:

@@ -27,6 +27,7 @@ from engine.request_groups import (
     NO_OPTIONS,
     Bootstrap,
     Extras,
+    ImageInput,
     LogprobParams,
     ReqOptions,
 )
@@ -57,7 +58,12 @@ class GenerateReq:
     resumed_tokens: int = 0
     # W3C traceparent of the frontend's span for this request; "" = not traced
     traceparent: str = ""
-    version: int = 3  # 2: n; 3: the groups
+    # vision-language models: the prompt's images in order (their tokens are the model's image token in input_ids)
+    images: list[ImageInput] = field(default_factory=list)
+    # E/P/D, on a prefill: the encoder whose bootstrap server sends the images' rows (room: pd's); none: the
+    # prefill runs the tower itself
+    encoder: Bootstrap = COLOCATED
+    version: int = 4  # 2: n; 3: the groups; 4: images
 
 
 @dataclass

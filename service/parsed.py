@@ -38,6 +38,7 @@ class Limits:
     hidden_size: int = 0  # the model's (input_embeds rows, hidden-state sizes)
     loras: Any = None  # service.lora.AdapterTable: the adapters a request may name (None: LoRA unknown)
     sessions: Any = None  # service.sessions.SessionStore (colocated): /generate's session_params
+    image_tokens: tuple[int, int, int] | None = None  # vision-language models: (vision start, image, vision end) ids
 
 
 @dataclass
@@ -60,12 +61,16 @@ class ParsedRequest:
     echo_only: bool = False  # completions with echo and max_tokens 0: the prompt (and its logprobs) only
     reasoning: str = ""  # chat: the --reasoning-parser style that splits the reply (service.reasoning)
     session: Any = None  # /generate's session_params (common.api_requests.SessionParams), or None
+    # vision-language models: the request's image URLs in prompt order, and the index in req.input_ids of each
+    # one's single image token (service/image_prompt.py expands it to the image's tokens once it is processed)
+    image_urls: list[str] = dataclasses.field(default_factory=list)
+    image_at: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def choices(self) -> int:
         """Choices this service answers with: n, but one on a prefill (it reports choice 0 only:
         the router needs its status and prompt logprobs, the decode streams every choice)."""
-        return 1 if self.role == "prefill" else self.req.n
+        return 1 if self.role in ("prefill", "encoder") else self.req.n
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -38,6 +38,18 @@ def compat_info(runner: ModelRunner) -> CompatInfo:
                       **_layout(mc))
 
 
+IMAGE_LAYOUT = "image_rows:[pages,1+deepstack,page_size,hidden]"
+
+
+def image_compat(mc: object, dtype: str, page_rows: int) -> CompatInfo:
+    """What an encoder -> prefill room's wire page holds: `page_rows` image-embedding rows of the model's hidden
+    size, for the tower's output and each deepstack set (engine.extras.multimodal.RowPool)."""
+    layers = 1 + mc.deepstack_layers  # type: ignore[attr-defined]
+    return CompatInfo(model=f"{mc.model_type}:vision:{mc.hidden_size}", dtype=dtype,  # type: ignore[attr-defined]
+                      page_size=page_rows, kv_layout=IMAGE_LAYOUT, num_layers=layers, num_kv_heads=1,
+                      head_dim=mc.hidden_size, image_rows=mc.hidden_size)  # type: ignore[attr-defined]
+
+
 class StateWire:
     """How a hybrid model's recurrent state rides the KV transfer: the prompt's final state (one slot,
     `slot_bytes`) follows its last KV page as `pages` extra wire pages in the same room. The prefill

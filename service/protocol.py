@@ -4,7 +4,11 @@
 Three request kinds share one path:
   generate     native `POST /generate` (SGLang style: text | input_ids, sampling_params dict)
   completion   `POST /v1/completions` (OpenAI)
-  chat         `POST /v1/chat/completions` (OpenAI; content is a string or a list of text parts)
+  chat         `POST /v1/chat/completions` (OpenAI; content is a string or a list of text and image_url parts)
+
+Images (vision-language models: chat's image_url parts, /generate's `image_data`): the parse places one
+image token per image and records where (service/image_prompt.py); the frontend then loads, checks and
+preprocesses them (service/images.py) and expands each to the image's tokens.
 
 Each body is first validated with the model the OpenAPI document shows (common/api_requests.py:
 types, ranges, shapes, one clear message naming the field); then this module checks what no schema
@@ -43,11 +47,11 @@ from common.api_requests import (
     whole,
 )
 from common.checks import is_int
-from common.http import PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
+from common.http import ENCODER_HOST_KEY, ENCODER_PORT_KEY, PREFILL_HERE_KEY, RESUME_KEY, TOKEN_IDS_KEY
 from engine.request_groups import COLOCATED, NO_LOGPROBS, Bootstrap, LogprobParams
 from engine.sampling.grammar import GrammarError, GrammarSpec
 from engine.sampling.params import SamplingParams
-from service import req_features, request_options
+from service import image_prompt, req_features, request_options
 from service.messages import AbortReq, GenerateReq
 from service.parsed import Limits, ParsedRequest, RequestError, parse_json_body
 from service.sessions import attach_session, session_prompt
@@ -150,6 +154,19 @@ def parse_bootstrap(body: dict[str, Any], role: str) -> Bootstrap:
     return Bootstrap(host, port, room, prefill_here=role == "decode" and body.get(PREFILL_HERE_KEY) is True)
 
 
+def parse_encoder(body: dict[str, Any], role: str, pd: Bootstrap) -> Bootstrap:
+    """E/P/D, on a prefill: the encoder that sends this request's image rows (the router's
+    `encoder_bootstrap_host` / `encoder_bootstrap_port`; the room is the request's); COLOCATED when absent."""
+    host, port = body.get(ENCODER_HOST_KEY), whole(body.get(ENCODER_PORT_KEY))
+    if role != "prefill" or (host is None and port is None):
+        return COLOCATED
+    if not isinstance(host, str) or not host or len(host) > 253 or any(c.isspace() for c in host):
+        raise RequestError(f"encoder_bootstrap_host must be a non-empty host name or address, got {host!r}")
+    if not is_int(port) or not 1 <= port <= 65535:
+        raise RequestError(f"encoder_bootstrap_port must be an integer in 1..65535, got {port!r}")
+    return Bootstrap(host, port, pd.room)
+
+
 def _rid(body: dict[str, Any]) -> str:
     rid = body.get("rid")
     if rid is None:
@@ -205,10 +222,11 @@ def _make(kind: str, body: dict[str, Any], ids: list[int], sp: SamplingParams, l
     `n`: choices (the prompt is computed once, engine.scheduling.parallel)."""
     # LoRA adapter by `lora_path` (/generate) or `model` (/v1); service/lora.py
     lora = limits.loras.resolve(kind, body, limits.model_name, limits.role) if limits.loras is not None else ""
+    pd = parse_bootstrap(body, limits.role)
     req = GenerateReq(rid=_rid(body), input_ids=ids, sampling=sp, stream=stream,
                       logprobs=LogprobParams(logprobs, top, start) if logprobs else NO_LOGPROBS,
                       options=request_options.options(body, kind, lora),  # priority, cache salt (issue 40)
-                      pd=parse_bootstrap(body, limits.role), n=n)
+                      pd=pd, n=n, encoder=parse_encoder(body, limits.role, pd))
     return ParsedRequest(kind=kind, req=req, model=lora or limits.model_name, stop=sp.stop,
                          skip_special_tokens=sp.skip_special_tokens, logprobs=logprobs,
                          top_logprobs=top if logprobs else 0, role=limits.role,
@@ -234,6 +252,14 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     embeds = req_features.input_embeds(body, limits)  # [T, H] instead of text or ids (issue 40)
     ids = (embeds[0] if embeds else _check_vocab(tok.encode(m.text), limits, "'text' (tokenized)")
            if m.text is not None else _check_vocab(m.input_ids, limits, "'input_ids'"))
+    urls = [m.image_data] if isinstance(m.image_data, str) else list(m.image_data or ())
+    if urls:
+        if limits.image_tokens is None:
+            raise image_prompt.no_images("'image_data'")
+        if embeds or body.get("session_params") is not None or (m.logprob_start_len or -1) >= 0:
+            raise RequestError("'image_data' cannot be combined with 'input_embeds', 'session_params' or prompt "
+                               "logprobs ('logprob_start_len' >= 0)")
+        ids = image_prompt.with_placeholders(ids, len(urls), limits)
     ids, session = session_prompt(body, ids, limits.sessions, limits.role)  # a session's history first
     given = m.sampling_params  # GenerateSampling: SamplingParams' names, plus n and the neutral ones
     n = (given and given.n) or 1
@@ -246,6 +272,8 @@ def parse_generate(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequ
     _apply_resume(parsed, resume)
     attach_session(parsed, session)
     req_features.apply(parsed, body, embeds, limits)  # hidden states, input_embeds, token_ids_logprob
+    if urls:
+        image_prompt.locate(parsed, urls, limits)
     return parsed
 
 
@@ -312,12 +340,23 @@ def parse_completion(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRe
     return parsed
 
 
-def _message_text(i: int, msg: ChatMessage, raw: dict[str, Any]) -> dict[str, str]:
+def _message_text(i: int, msg: ChatMessage, raw: dict[str, Any], urls: list[str]) -> dict[str, Any]:
     """One validated message (`raw`: its JSON object) as template input: text parts joined, an
-    assistant's earlier tool calls rendered, developer as system."""
+    assistant's earlier tool calls rendered, developer as system. A message with image parts keeps its
+    parts (text, and {"type": "image"} where each image goes, as vision models' templates take them) and
+    adds the images' URLs to `urls`."""
     role, content = msg.role, msg.content
     if content is None and role == "assistant":
         content = ""
+    if isinstance(content, list) and any(part.type == "image_url" for part in content):
+        parts: list[dict[str, str]] = []
+        for part in content:
+            if part.type == "image_url":
+                urls.append(part.image_url.url)
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part.text})
+        return {"role": "system" if role == "developer" else role, "content": parts}
     if isinstance(content, list):
         content = "\n".join(part.text for part in content)
     if role == "assistant" and msg.tool_calls:  # earlier calls, in the documented text format
@@ -335,9 +374,12 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     """OpenAI /v1/chat/completions."""
     _check_neutral(body, "")
     m = _valid(ChatCompletionRequest, body)
-    messages = [_message_text(i, msg, raw) for i, (msg, raw) in enumerate(zip(m.messages, body["messages"]))]
+    urls: list[str] = []
+    messages = [_message_text(i, msg, raw, urls) for i, (msg, raw) in enumerate(zip(m.messages, body["messages"]))]
     if not any(m["content"] for m in messages):
         raise RequestError("every message is empty")
+    if urls and limits.image_tokens is None:
+        raise image_prompt.no_images("'messages' holds image_url parts")
     try:
         plan = parse_tools(body)
     except ToolError as e:
@@ -366,6 +408,8 @@ def parse_chat(body: dict[str, Any], tok: Any, limits: Limits) -> ParsedRequest:
     parsed.include_usage = include_usage
     parsed.tools = plan
     _apply_resume(parsed, resume)
+    if urls:
+        image_prompt.locate(parsed, urls, limits)
     return parsed
 
 

@@ -70,6 +70,8 @@ class Counters:
     queue_timed_out: int | None = None
     rooms_kept_queued: int | None = None
     kv_events_dropped: int | None = None  # KV cache events dropped on a full queue (--kv-events-endpoint)
+    images_encoded: int | None = None  # vision-language models: images the vision tower ran for
+    image_cache_hits: int | None = None  # ... and images whose tower output came from the cache (by content hash)
 
     def present(self) -> dict[str, int]:
         return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
@@ -109,7 +111,8 @@ class WorkerStats:
                               host_used_pages=s.host_kv_used_pages, state_slots_used=s.state_slots_used),
                    prefix=s.prefix,
                    counters=Counters(retractions=s.retractions, reloads=s.reloads, forward_tokens=s.forward_tokens,
-                                     window_freed_pages=s.window_freed_pages, pool_truncated=s.pool_truncated),
+                                     window_freed_pages=s.window_freed_pages, pool_truncated=s.pool_truncated,
+                                     images_encoded=s.images_encoded, image_cache_hits=s.image_cache_hits),
                    spec=s.spec if s.spec.method else None)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from common import tracing
 from common.logs import setup_logging
+from engine.extras import multimodal
 from engine.extras.features import make_features, report
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.kv_manager import KVManager
@@ -48,7 +49,11 @@ def req_from_msg(msg: m.GenerateReq, role: str = "worker") -> Req:
     x = msg.extras
     if x.any:  # engine.extras.features: the embeddings' bytes become a tensor
         req.features = make_features(x.hidden_states, x.input_embeds, len(msg.input_ids), x.token_ids_logprob)
+    if msg.images:  # the image spans' ids become their pad values (the prefix cache's key)
+        req.mm = multimodal.attach(req.token_ids, msg.images)
     add_choices(req, msg.n)
+    for f in req.choice.forks:
+        f.mm = req.mm
     return req
 
 
@@ -148,6 +153,11 @@ class Dispatch:
         chunk = cfg.engine.chunked_prefill_size  # service/embeddings.py: one forward per input, now
         self.answer(m.EmbedReq, lambda msg: embeddings.handle_worker(role, msg, chunk))
         self.answer(m.LoraReq, lambda msg: lora.handle_worker(role.runner, msg))  # on every TP rank
+        if getattr(role, "language_model", True) is False:  # an encoder: a vision tower alone, nothing to flush,
+            # embed or adapt
+            self.answer(m.FlushCacheReq, lambda msg: m.FlushCacheOut(msg.token, True, "no prefix cache on this worker"))
+            self.answer(m.EmbedReq, lambda msg: m.EmbedOut(msg.token, [], "an encoder has no language model", 400))
+            self.answer(m.LoraReq, lambda msg: m.LoraOut(msg.token, False, 400, "an encoder has no language model"))
 
     def on(self, kind: type[Msg], handler: Callable[[Msg], list[m.TokenOut]]) -> None:
         self.table[kind] = handler

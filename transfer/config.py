@@ -88,6 +88,9 @@ class CompatInfo:
     # hybrid recurrent models (engine/recurrent/state_pool.py): the layout of one request's state slot, sent
     # after the prompt's last KV page in `ceil(slot bytes / page_bytes)` extra wire pages; "" = no state
     state_layout: str = ""
+    # an encoder -> prefill room (vision-language models, E/P/D): pages of image-embedding rows [num_layers (the
+    # tower's output and its deepstack features), page_size rows, image_rows values]; 0 = KV pages
+    image_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -99,6 +102,8 @@ class CompatInfo:
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype {self.dtype!r} has no known element size ({sorted(_ITEMSIZE)})")
         itemsize = _ITEMSIZE[self.dtype]
+        if self.image_rows:  # a page of image-embedding rows
+            return self.num_layers * self.page_size * self.image_rows * itemsize
         if self.kv_lora_rank:  # a latent page
             return self.num_layers * self.page_size * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
         return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize

@@ -175,6 +175,12 @@ class TransferManager:
             poller.register(fd, zmq.POLLIN)
         poller.poll(timeout_s * 1000.0)
 
+    def wakeups(self) -> tuple:
+        """The sockets (and UCX fd) whose news this manager's progress() handles: for a worker that waits on
+        another manager's idle_wait (extra=...) as well."""
+        may_sleep, fd = self._backend.wait_fd()
+        return (*self._side.sockets(), *((fd,) if may_sleep and fd is not None else ()))
+
     @contextmanager
     def background(self) -> Iterator[None]:
         """Hand the transfer state to the progress thread while the body (a forward) runs; the body

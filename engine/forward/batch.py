@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.extras import features
+from engine.extras import features, multimodal
 from engine.extras.lora.batch import Adapter
 from engine.extras.speculative.verify import verify
 from engine.forward.forward_batch import (
@@ -61,8 +61,11 @@ class BatchExecutor:
         self.sampler = sampler
         self.stops = stops
         self.forward_tokens = 0
+        self.encoder: multimodal.Encoder | None = None  # vision-language models: built at the first image
 
     def run(self, extend: list[ExtendItem], decode: list[Req]) -> StepResult:
+        if any(it.req.mm is not None for it in extend) or any(r.mm is not None for r in decode):
+            self._images(extend, decode)
         segments = _segments(extend, decode)
         if not segments:
             return StepResult([], [], [])
@@ -81,6 +84,8 @@ class BatchExecutor:
                 lg = lg[-1]
             r.kv.kv_len += it.num_tokens
             if it.completes_prompt:
+                if r.mm is not None:
+                    r.mm.release()
                 r.logprobs.input_done = r.logprobs.wants_input
                 to_sample.append((r, lg))
                 to_sample.extend((f, lg) for f in r.choice.forks)  # n > 1: each choice draws from this row
@@ -97,6 +102,23 @@ class BatchExecutor:
             verify(r, lg, self.sampler, self.stops)
             sampled.append(r)
         return StepResult(extend, decode, sampled)
+
+    def _images(self, extend: list[ExtendItem], decode: list[Req]) -> None:
+        """Bind the M-RoPE positions of requests with images, and run the vision tower for the images the
+        step's prompt chunks cover (engine.extras.multimodal)."""
+        cfg = self.runner.model_cfg
+        need: list[multimodal.Image] = []
+        for r in [it.req for it in extend] + decode:
+            if r.mm is not None and r.mm.positions is None:
+                r.mm.bind(r.token_ids[: r.num_prompt_tokens], cfg)
+        for it in extend:
+            if it.req.mm is not None:
+                need += multimodal.needed(it.req.mm, it.req.kv.kv_len, it.num_tokens)
+        if need:
+            if self.encoder is None:
+                run = self.runner
+                self.encoder = multimodal.Encoder(run.model, run.device, run.dtype, run.cfg.image_cache_mb << 20)
+            self.encoder.encode(need)
 
     def _sample(self, items: list[tuple[Req, torch.Tensor]]) -> list[Req]:
         if not items:
@@ -132,6 +154,8 @@ def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
         mode, skip = _logit_rows(it)
         start = r.kv.kv_len
         extras = features.prepare(r.features, start, it.num_tokens, prompt=True) if r.features.active else ()
+        if r.mm is not None:
+            extras = (*extras, *multimodal.prepare(r.mm, start, it.num_tokens, prompt=True))
         if r.lora:
             extras = (*extras, Adapter(r.lora))
         segments.append(Segment(r.kv.pages, start, r.token_ids[start : start + it.num_tokens], mode, skip, extras,
@@ -140,6 +164,8 @@ def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
         assert len(r.token_ids) == r.kv.kv_len + 1, "decode request must have exactly one uncached token"
         draft = r.spec.draft  # speculative: verify [last] + draft, logits at every position
         extras = features.prepare(r.features, r.kv.kv_len, 1, prompt=False) if r.features.active else ()
+        if r.mm is not None:
+            extras = (*extras, *multimodal.prepare(r.mm, r.kv.kv_len, 1 + len(draft), prompt=False))
         if r.lora:
             extras = (*extras, Adapter(r.lora))
         segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,

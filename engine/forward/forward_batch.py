@@ -65,6 +65,9 @@ class ForwardBatch:
     # extras' inputs (None: no segment has one)
     adapters: list[str] | None = None  # [B] LoRA adapter of each segment ("" = the base model)
     embeds: list[tuple[int, torch.Tensor]] | None = None  # (first row, float32 [n, H]) replacing the ids' embeddings
+    deepstack: list[tuple[int, torch.Tensor]] | None = None  # (first row, [k, n, H]) added after decoder layers 0..k-1
+    rope3: list[tuple[int, torch.Tensor]] | None = None  # (first row, int64 [3, n]) M-RoPE positions; other rows:
+    # their cache position on all three axes (engine.extras.multimodal)
     capture: list[tuple[int, int, int]] | None = None  # (segment, first row, n): final hidden states to return
 
 

@@ -73,6 +73,9 @@ class ModelRunner:
                              f"this model attends through a sliding window ({mc.max_window} tokens) in every layer and "
                              "runs without a prefix cache (a page is freed once it leaves the window); drop "
                              "--hicache-host-tokens")
+        if mc.vision is not None and cfg.spec.speculative:
+            raise ValueError(f"{self.model_path} is a vision-language model; --speculative is not supported with "
+                             "them yet (a draft's positions would need the request's M-RoPE offset)")
         self.context_length = cfg.context_length or mc.max_position
         self.device = torch.device(shard.device or cfg.device)
         self.dtype = DTYPES[cfg.dtype]
@@ -161,6 +164,10 @@ class ModelRunner:
         ids = torch.tensor(batch.ids, dtype=torch.long, device=dev)  # int64 [T]
         pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)  # int64 [T]
         extra = {} if batch.embeds is None else {"input_embeds": self._input_embeds(ids, batch.embeds)}
+        if self.model_cfg.mrope_section:  # M-RoPE: int64 [3, T] (engine.extras.multimodal)
+            pos = self._rope3(pos, batch)
+            if batch.deepstack is not None:
+                extra["deepstack"] = self._deepstack(batch.deepstack)
         hidden = self.model(ids, pos, ctx, **extra)  # [T, H] model dtype, after the final norm
         captured = None if batch.capture is None else self._capture(hidden, batch)
         return ForwardOutput(self._logits(hidden, batch), captured)
@@ -178,10 +185,22 @@ class ModelRunner:
     @torch.inference_mode()
     def _input_embeds(self, ids: torch.Tensor, embeds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """The input rows [T, H] (model dtype): the ids' embeddings, with the given rows replaced."""
-        x = self.model.embed_tokens(ids)
+        x = self.model.embed_tokens(ids.clamp(max=self.model_cfg.vocab_size - 1))  # an image's rows hold its pad id
         for row, e in embeds:  # e: float32 [n, H]
             x[row : row + e.shape[0]] = e.to(device=x.device, dtype=self.dtype)
         return x
+
+    def _rope3(self, pos: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """int64 [3, T]: each row's cache position on the three axes, but where a segment gave its own."""
+        out = pos.unsqueeze(0).repeat(3, 1)
+        for row, p in batch.rope3 or ():
+            out[:, row : row + p.shape[1]] = p.to(out.device)
+        return out
+
+    def _deepstack(self, pieces: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows int64 [m], features [k, m, H]) of the image rows that get deepstack features."""
+        rows = torch.cat([torch.arange(r, r + f.shape[1]) for r, f in pieces]).to(self.device)
+        return rows, torch.cat([f for _, f in pieces], dim=1).to(device=self.device, dtype=self.dtype)
 
     @staticmethod
     def _capture(hidden: torch.Tensor, batch: ForwardBatch) -> list[torch.Tensor | None]:

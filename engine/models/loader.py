@@ -28,6 +28,7 @@ from engine.models.cpu_gemm import pack_model
 from engine.models.quant import QuantTensor, parse, quantize, wrap
 from engine.models.registry import family
 from engine.models.rope import Rotary
+from engine.models.vision import VisionTower, tower_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,3 +127,21 @@ def _quantizable(model: nn.Module, name: str) -> tuple[nn.Module, str]:
         raise ValueError(f"weight {name} is quantized in the checkpoint, but this engine runs it only in full "
                          "precision (embeddings, norms and the LM head are loaded unquantized)")
     return owner, attr
+
+
+def load_tower(path: Path, cfg: ModelConfig, dtype: str, device: str) -> nn.Module:
+    """The vision tower alone of the vision-language checkpoint at `path` (`pdserve encoder`: no language model,
+    no KV pool), on `device` in `dtype`; ValueError for a text-only model or a missing tower weight."""
+    if cfg.vision is None:
+        raise ValueError(f"{path}: {cfg.model_type} has no vision tower (config.json has no vision_config)")
+    try:
+        params = tower_weights(_read_tensors(Path(path)), cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    with torch.device("meta"):
+        tower = VisionTower(cfg)
+    tower = tower.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            p.copy_(params[name])
+    return tower.to(dtype=DTYPES[dtype]).eval()

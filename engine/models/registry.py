@@ -33,6 +33,9 @@ FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5",
     "nemotron_h": "nemotron_h",
     "granitemoehybrid": "granitemoehybrid",
+    # vision-language families (engine/models/vision.py: the towers; M-RoPE positions in mrope.py)
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen3_vl": "qwen3_vl",
 }
 
 

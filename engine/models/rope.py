@@ -86,6 +86,31 @@ class Rotary(nn.Module):
         return RotaryTables(self.cos.index_select(0, positions).unsqueeze(1),
                             self.sin.index_select(0, positions).unsqueeze(1))
 
+    def mrope_tables(self, positions: torch.Tensor, rows: torch.Tensor) -> RotaryTables:
+        """M-RoPE (Qwen2-VL and later): cos and sin [T, 1, D/2] where frequency j takes its angle from the
+        position row rows[j] (0 = t, 1 = h, 2 = w) of `positions` (int64 [3, T]). The angle of one frequency
+        depends only on its own position, so this is the 1-D table gathered per frequency: entry [t, j] is
+        table[positions[rows[j], t], j]. `rows`: int64 [D/2] on the tables' device (`mrope_rows`)."""
+        index = positions.index_select(0, rows).t()  # [T, D/2]: the position each frequency reads
+        return RotaryTables(self.cos.gather(0, index).unsqueeze(1), self.sin.gather(0, index).unsqueeze(1))
+
+
+def mrope_rows(half_dim: int, section: tuple[int, ...], interleaved: bool,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [half_dim]: which position row (0 = t, 1 = h, 2 = w) each rotary frequency uses. Blocks
+    (Qwen2-VL, Qwen2.5-VL): the first section[0] frequencies t, the next section[1] h, the last section[2] w.
+    Interleaved (Qwen3-VL): frequency j is h when j % 3 == 1 and j < 3 * section[1], w when j % 3 == 2 and
+    j < 3 * section[2], else t."""
+    if len(section) != 3 or sum(section) != half_dim:
+        raise ValueError(f"mrope_section {list(section)} must be 3 counts summing to head_dim / 2 ({half_dim})")
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(section)).to(device)
+    j = torch.arange(half_dim)
+    rows = torch.zeros(half_dim, dtype=torch.int64)
+    for row in (1, 2):
+        rows[(j % 3 == row) & (j < 3 * section[row])] = row
+    return rows.to(device)
+
 
 @dataclass(frozen=True)
 class RotaryTables:

@@ -341,5 +341,7 @@ class Scheduler:
             state_slots_used=None if self.kv.states is None else self.kv.slots_used,
             retractions=self.kv.retractions, reloads=self.kv.reloads, forward_tokens=self.exec.forward_tokens,
             window_freed_pages=self.kv.trimmed_pages, pool_truncated=self.pool_truncated,
+            images_encoded=None if self.exec.encoder is None else self.exec.encoder.images_encoded,
+            image_cache_hits=None if self.exec.encoder is None else self.exec.encoder.cache_hits,
             prefix=self.kv.cache_stats(),
             spec=self.spec.stats() if self.spec is not None else SpecStats())

@@ -20,7 +20,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("gpu", "cpu-demo")
-WORKER_ROLES = ("prefill", "decode")
+WORKER_ROLES = ("prefill", "decode")  # the PD pools
+ENCODER = "encoder"  # the E/P/D encoder pool (vision-language models; 0 replicas for the text models here)
+ALL_WORKERS = (*WORKER_ROLES, ENCODER)
 FLAG_RE = re.compile(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)")
 VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 

@@ -1,18 +1,20 @@
 """The gpu overlay's worker HPAs (issue 18): each pool scales on its own worker gauge as a Pods metric,
 served by the Prometheus adapter rule documented in docs/operations.md; scale-down removes at most
-one pod per drain period. (tests/integration/test_router_real_services.py checks that live workers export
-these gauges.)"""
+one pod per drain period. The encoder pool (E/P/D) scales on its encode queue, pdserve_worker_queues{name="encode"};
+its HPA is dormant while the Deployment sits at the base's 0 replicas (a text-only model).
+(tests/integration/test_router_real_services.py checks that live workers export these gauges.)"""
 
 from __future__ import annotations
 
 import re
 
 import yaml
-from deploy_render import ROOT, WORKER_ROLES, Rendered, pod_spec
+from deploy_render import ALL_WORKERS, ENCODER, ROOT, WORKER_ROLES, Rendered, pod_spec
 
 SIGNALS = {
     "prefill": {"pdserve_worker_queued_prompt_tokens"},
     "decode": {"pdserve_worker_kv_usage", "pdserve_worker_running_requests"},
+    ENCODER: {"pdserve_worker_queues"},  # with the label selector name=encode
 }
 
 
@@ -45,9 +47,24 @@ def test_worker_pools_scale_on_their_own_pods_metrics(rendered_all: dict[str, Re
         assert "replicas" not in gpu.deployment(role)["spec"], f"{role}: the HPA owns the replica count"
 
 
+def test_encoder_pool_scales_on_its_encode_queue(rendered_all: dict[str, Rendered]) -> None:
+    gpu = rendered_all["gpu"]
+    hpa = _hpa(gpu, ENCODER)
+    assert hpa["apiVersion"] == "autoscaling/v2" and hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    encode = {"matchLabels": {"name": "encode"}}
+    assert metric["pods"]["metric"] == {"name": "pdserve_worker_queues", "selector": encode}
+    # the queue the encoder worker reports (service.metrics: WorkerStats.queues -> pdserve_worker_queues{name=...})
+    assert 'queues={"encode":' in (ROOT / "encoder_service" / "worker.py").read_text()
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # a text-only model here: the Deployment stays at 0 replicas, where an HPA does not scale it
+    assert gpu.deployment(ENCODER)["spec"]["replicas"] == 0
+
+
 def test_scale_down_waits_for_each_drain(rendered_all: dict[str, Rendered]) -> None:
     gpu = rendered_all["gpu"]
-    for role in WORKER_ROLES:
+    for role in ALL_WORKERS:
         down = _hpa(gpu, role)["spec"]["behavior"]["scaleDown"]
         grace = pod_spec(gpu.deployment(role))["terminationGracePeriodSeconds"]
         assert down["policies"], f"{role}: scale-down needs explicit policies"

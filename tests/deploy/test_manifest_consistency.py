@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from deploy_render import (
+    ALL_WORKERS,
     DEPLOY,
+    ENCODER,
     VAR_RE,
     WORKER_ROLES,
     Rendered,
@@ -31,7 +33,7 @@ from deploy_render import (
     selector_matches,
 )
 
-COMPONENTS = ("router", *WORKER_ROLES)
+COMPONENTS = ("router", *ALL_WORKERS)
 POOL_LABEL = "pdserve.io/pool"
 
 
@@ -83,10 +85,11 @@ def test_service_and_probe_ports_are_ports_the_process_listens_on(rendered: Rend
                 for sp in svc["spec"]["ports"]:
                     assert sp["targetPort"] in ports, f"Service {svc['metadata']['name']}: {sp['targetPort']}"
                     assert sp["port"] == ports[sp["targetPort"]]
-    prefill = rendered.deployment("prefill")
-    ann = prefill["spec"]["template"]["metadata"]["annotations"]
-    boot = int(_flags(rendered, "prefill")["--bootstrap-port"])
-    assert _ports(prefill)["bootstrap"] == boot == int(ann["pdserve.io/bootstrap-port"])
+    for role in ("prefill", ENCODER):  # the roles with a bootstrap server
+        deploy = rendered.deployment(role)
+        ann = deploy["spec"]["template"]["metadata"]["annotations"]
+        boot = int(_flags(rendered, role)["--bootstrap-port"])
+        assert _ports(deploy)["bootstrap"] == boot == int(ann["pdserve.io/bootstrap-port"]), role
 
 
 def test_router_discovery_matches_the_worker_pods(rendered: Rendered) -> None:
@@ -94,13 +97,14 @@ def test_router_discovery_matches_the_worker_pods(rendered: Rendered) -> None:
     selector, role_label = flags["--k8s-selector"], flags["--k8s-role-label"]
     annotation = flags["--k8s-bootstrap-port-annotation"]
     assert not selector_matches(selector, pod_labels(rendered.deployment("router")))
-    for role in WORKER_ROLES:
+    for role in ALL_WORKERS:
         deploy = rendered.deployment(role)
         labels = pod_labels(deploy)
         assert selector_matches(selector, labels), f"--k8s-selector misses {role} pods"
         assert labels[role_label] == role == main_container(deploy)["args"][0]
         assert int(flags["--k8s-port"]) == _ports(deploy)["http"]
-    assert annotation in rendered.deployment("prefill")["spec"]["template"]["metadata"]["annotations"]
+    for role in ("prefill", ENCODER):
+        assert annotation in rendered.deployment(role)["spec"]["template"]["metadata"]["annotations"], role
     ns = rendered.deployment("router")["metadata"]["namespace"]
     router = main_container(rendered.deployment("router"))
     assert router["args"].count("--k8s-namespace=$(POD_NAMESPACE)") == 1
@@ -150,6 +154,20 @@ def test_worker_flag_values_parse_and_validate(rendered: Rendered) -> None:
     same = ("--model", "--dtype", "--page-size", "--device")
     prefill, decode = _flags(rendered, "prefill"), _flags(rendered, "decode")
     assert {k: prefill[k] for k in same} == {k: decode[k] for k in same}
+    # The encoder: its own (few) flags parse and validate; it serves the prefills' model and dtype.
+    from service.config import ImageConfig
+
+    parser = argparse.ArgumentParser(prog="pdserve encoder", exit_on_error=False)
+    add_server_args(parser, ENCODER)
+    enc = _flags(rendered, ENCODER)
+    ns = parser.parse_args([f"{k}={v}" for k, v in enc.items() if k != "--drain-grace"])
+    EngineConfig(model=ns.model, device=ns.device, dtype=ns.dtype, threads=ns.threads, image_cache_mb=ns.image_cache_mb,
+                 image_transfer_tokens=ns.image_transfer_tokens)
+    build(PDConfig, ns)
+    build(ImageConfig, ns)
+    assert ns.advertise_host == "10.0.0.7", "--advertise-host must be the pod IP"
+    assert {k: enc[k] for k in ("--model", "--dtype", "--device")} == {k: prefill[k] for k in ("--model", "--dtype",
+                                                                                              "--device")}
 
 
 def test_router_config_file_loads(rendered: Rendered, tmp_path: Path) -> None:
@@ -234,6 +252,11 @@ def test_network_policy_admits_only_router_to_workers_and_decode_prefill(rendere
     assert _allowed(rendered, lab["decode"], "prefill", boot)
     assert _allowed(rendered, lab["decode"], "prefill", ucx)
     assert _allowed(rendered, lab["prefill"], "decode", ucx)
+    # E/P/D: a prefill bootstraps at its encoder, the encoder sends the embeddings to the prefill's UCX ports
+    assert _allowed(rendered, lab["prefill"], ENCODER, boot) and _allowed(rendered, lab["prefill"], ENCODER, ucx)
+    assert _allowed(rendered, lab[ENCODER], "prefill", ucx)
+    assert not _allowed(rendered, lab["router"], ENCODER, boot)
+    assert not _allowed(rendered, lab["decode"], ENCODER, ucx) and not _allowed(rendered, lab[ENCODER], "decode", ucx)
     assert _allowed(rendered, outsider, "router", 8000)
     assert not _allowed(rendered, outsider, "router", 9000)
 
@@ -261,12 +284,14 @@ def test_graceful_termination_and_probes(rendered: Rendered) -> None:
         assert spec["terminationGracePeriodSeconds"] >= int(pre[1]) + drain + 10
     prefill, decode = _flags(rendered, "prefill"), _flags(rendered, "decode")
     assert float(prefill["--drain-grace"]) > float(prefill["--bootstrap-timeout"]) + 30
+    encoder = _flags(rendered, ENCODER)
+    assert float(encoder["--drain-grace"]) > float(encoder["--bootstrap-timeout"]) + 30
     assert float(decode["--drain-grace"]) >= 300
 
 
 def test_gpu_pools_and_cpu_demo(rendered_all: dict[str, Rendered]) -> None:
     gpu, cpu = rendered_all["gpu"], rendered_all["cpu-demo"]
-    for role in WORKER_ROLES:
+    for role in ALL_WORKERS:
         spec = pod_spec(gpu.deployment(role))
         res = main_container(gpu.deployment(role))["resources"]
         assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == 1
@@ -313,3 +338,11 @@ def test_ucx_env_values_are_accepted_by_ucx(rendered: Rendered) -> None:
     proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, **ucx_env},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_encoder_pool_is_off_for_the_text_models_shipped_here(rendered_all: dict[str, Rendered]) -> None:
+    # Both overlays serve a text-only model (an encoder exits at start-up on one): the encoder Deployment
+    # stays at 0 replicas until a vision-language model is configured and the pool scaled up.
+    for r in rendered_all.values():
+        assert r.deployment(ENCODER)["spec"]["replicas"] == 0, r.overlay
+        assert "--tp" not in container_flags(main_container(r.deployment(ENCODER)))  # the tower runs on one GPU

@@ -1,7 +1,7 @@
 """Tensor parallelism in deploy/ (issue 35), rendered and validated offline like the rest:
 
 - every worker pod of every overlay requests exactly as many GPUs as its `--tp` (1 in gpu, 4 in
-  gpu-tp; none on the CPU demo, whose TP is 1);
+  gpu-tp; none on the CPU demo, whose TP is 1); an encoder pod (no --tp) one GPU;
 - overlays/gpu-tp's LeaderWorkerSet runs one decode TP group across nodes: the leader (node-rank 0)
   serves HTTP and is discovered by the router, the worker pods run node-rank LWS_WORKER_INDEX with the
   leader's rendezvous address, pods x GPUs = --tp, the flags parse with the real parsers, and the
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from deploy_render import (
+    ENCODER,
     OVERLAYS,
     WORKER_ROLES,
     Rendered,
@@ -75,6 +76,9 @@ def test_a_tp_n_worker_pod_requests_n_gpus(overlay: str, gpu_tp: Rendered) -> No
             assert _gpus(c) == (tp, tp), f"{overlay} {role}: --tp={tp} but GPUs {_gpus(c)}"
     if overlay == "gpu-tp":
         assert {int(_flags(main_container(r.deployment(role)), r)["--tp"]) for role in WORKER_ROLES} == {4}
+    enc = main_container(r.deployment(ENCODER))  # no --tp: the vision tower runs on one GPU (none on the CPU)
+    assert "--tp" not in _flags(enc, r)
+    assert _gpus(enc) == ((0, 0) if _flags(enc, r)["--device"] == "cpu" else (1, 1)), f"{overlay} encoder"
 
 
 def test_lws_group_spans_nodes_with_one_gpu_per_rank(gpu_tp: Rendered) -> None:

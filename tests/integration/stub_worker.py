@@ -1,4 +1,4 @@
-"""A stand-in prefill/decode/colocated worker speaking the services' HTTP API, for router tests.
+"""A stand-in prefill/decode/encoder/colocated worker speaking the services' HTTP API, for router tests.
 
 Run: `python tests/integration/stub_worker.py --role prefill --port N [--host 127.0.0.1] [--token T]`.
 
@@ -6,12 +6,16 @@ Output is deterministic: `max_tokens` words derived from a hash of the prompt, s
 colocated stub give the same text. PD coupling is real enough to test room handling: a prefill marks
 its room done (GET /_room/{room}); a decode polls the prefill named by `bootstrap_host:bootstrap_port`
 (the stub's bootstrap port is its HTTP port) until the room is done, aborted, or `--waiting-timeout`.
+An encoder (E/P/D) answers 200 JSON at once and marks its room done; a prefill whose body names
+`encoder_bootstrap_host`/`encoder_bootstrap_port` first waits for that encoder's room the same way (else it
+answers a 500 whose error blames the encoder, `fault: encoder`).
 
-Test controls: POST /_control {"mode": ok|fail|fail503|busy|hang|die|die_midstream|unhealthy[, "retry_after": N]},
-GET /_state (rooms seen, rooms aborted). `die` exits the process on the next request, `die_midstream` after 2
-streamed tokens (a stream resumed past them, `pd_resume`, goes on); `hang` waits until the room is aborted;
-`fail` answers 500, `fail503` a plain 503; `busy` refuses as an overloaded service does (a 503 whose error
-names `retry_after`, N seconds, default 2; a stream gets it as its first event, HTTP status 200).
+Test controls: POST /_control {"mode": ok|fail|fail503|reject|busy|hang|die|die_midstream|unhealthy[,
+"retry_after": N]}, GET /_state (rooms seen, rooms aborted, the last 200 request bodies). `die` exits the
+process on the next request, `die_midstream` after 2 streamed tokens (a stream resumed past them,
+`pd_resume`, goes on); `hang` waits until the room is aborted; `fail` answers 500, `fail503` a plain 503,
+`reject` a 400; `busy` refuses as an overloaded service does (a 503 whose error names `retry_after`, N
+seconds, default 2; a stream gets it as its first event, HTTP status 200).
 A request with max_tokens > 1000 gets a 400 (a client error the router must relay).
 With `pd_token_ids` each stream event ends with its word's id; `pd_resume` continues after its ids.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import json
 import os
@@ -49,6 +54,7 @@ class Stub:
         self.rooms: list[int] = []
         self.done_rooms: set[int] = set()
         self.aborted: list[int] = []
+        self.bodies: collections.deque[dict] = collections.deque(maxlen=200)  # the last request bodies
         self.abort_events: dict[int, asyncio.Event] = {}
         self.http = httpx.AsyncClient(timeout=5.0)
 
@@ -56,12 +62,14 @@ class Stub:
         return self.abort_events.setdefault(room, asyncio.Event())
 
 
-def _err(status: int, message: str, retry_after: int = 0) -> JSONResponse:
-    return JSONResponse(_err_obj(status, message, retry_after), status_code=status)
+def _err(status: int, message: str, retry_after: int = 0, fault: str = "") -> JSONResponse:
+    return JSONResponse(_err_obj(status, message, retry_after, fault), status_code=status)
 
 
-def _err_obj(status: int, message: str, retry_after: int = 0) -> dict:
+def _err_obj(status: int, message: str, retry_after: int = 0, fault: str = "") -> dict:
     err = {"message": message, "type": "stub", "code": status}
+    if fault:
+        err["fault"] = fault
     return {"error": {**err, "retry_after": retry_after} if retry_after else err}
 
 
@@ -132,9 +140,10 @@ def _full(path: str, text: str, n_prompt: int, n_out: int, input_lp: list | None
     return {**base, "object": "text_completion", "choices": [choice], "usage": usage}
 
 
-async def _wait_for_prefill(st: Stub, body: dict, room: int) -> str | None:
-    """Decode side: poll the prefill's /_room until done; an error message otherwise."""
-    url = f"http://{body['bootstrap_host']}:{body['bootstrap_port']}/_room/{room}"
+async def _wait_for_prefill(st: Stub, body: dict, room: int, prefix: str = "") -> str | None:
+    """Decode side (prefill side with `prefix` "encoder_": its encoder): poll the peer's /_room until done; an
+    error message otherwise."""
+    url = f"http://{body[prefix + 'bootstrap_host']}:{body[prefix + 'bootstrap_port']}/_room/{room}"
     deadline = time.monotonic() + st.waiting_timeout
     ev = st.abort_event(room)
     while time.monotonic() < deadline:
@@ -176,7 +185,7 @@ def build_app(st: Stub) -> FastAPI:
             "page_size": 16,
             "max_total_tokens": 8192,
         }
-        if st.role == "prefill":
+        if st.role in ("prefill", "encoder"):
             info["bootstrap_port"] = st.port
         return info
 
@@ -192,7 +201,8 @@ def build_app(st: Stub) -> FastAPI:
 
     @app.get("/_state")
     async def state():
-        return {"rooms": st.rooms, "aborted": st.aborted, "mode": st.mode, "pid": os.getpid()}
+        return {"rooms": st.rooms, "aborted": st.aborted, "mode": st.mode, "pid": os.getpid(),
+                "bodies": list(st.bodies)}
 
     @app.get("/_room/{room}")
     async def room_state(room: int):
@@ -213,6 +223,7 @@ def build_app(st: Stub) -> FastAPI:
 def _handler(st: Stub, path: str):
     async def handle(request: Request):
         body = await request.json()
+        st.bodies.append(body)
         prompt, n_out = _prompt_and_max(path, body)
         if n_out > 1000:
             return _err(400, "max_tokens too large for this stub")
@@ -227,6 +238,8 @@ def _handler(st: Stub, path: str):
             return _err(500, "stub told to fail")
         if st.mode == "fail503":
             return _err(503, "stub told to fail with 503")
+        if st.mode == "reject":
+            return _err(400, f"{st.role} stub told to reject the request")
         if st.mode == "busy":
             return _busy(st, bool(body.get("stream")))
         if st.mode == "hang":
@@ -234,6 +247,13 @@ def _handler(st: Stub, path: str):
             return _err(500, "aborted")
         n_prompt = len(prompt) // 4
         input_lp = [[-0.5, i, None] for i in range(3)] if body.get("return_logprob") else None
+        if st.role == "encoder":  # the embeddings were "sent": the prefill waiting on this room goes on
+            st.done_rooms.add(room)
+            return JSONResponse({"bootstrap_room": room, "images_sent": True})
+        if st.role == "prefill" and body.get("encoder_bootstrap_host"):
+            problem = await _wait_for_prefill(st, body, room, "encoder_")
+            if problem:
+                return _err(500, f"image embeddings never came: {problem}", fault="encoder")
         if st.role == "prefill":
             await asyncio.sleep(st.prefill_delay)
             st.done_rooms.add(room)
@@ -275,10 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     """Flags of its own, or the pdserve worker command line (`prefill|decode|colocated --port N
     --internal-token-file F ...`, other flags ignored) so `pdserve up --worker-cmd` can run it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("prefill", "decode", "colocated"):
+    if argv and argv[0] in ("prefill", "decode", "encoder", "colocated"):
         argv = ["--role", *argv]
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--role", choices=("prefill", "decode", "colocated"), required=True, help="worker role")
+    p.add_argument("--role", choices=("prefill", "decode", "encoder", "colocated"), required=True, help="worker role")
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=int, required=True, help="HTTP port (also the prefill's bootstrap port)")
     p.add_argument("--token", default=None, help="required x-pdserve-token")
@@ -287,11 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--waiting-timeout", type=float, default=10.0, help="decode: seconds to wait for prefill")
     p.add_argument("--prefill-delay", type=float, default=0.0, help="prefill: seconds before a room is done")
     p.add_argument(
-        "--bootstrap-port", type=int, default=0, help="prefill: also serve on this port (default: --port)"
+        "--bootstrap-port", type=int, default=0, help="prefill/encoder: also serve on this port (default: --port)"
     )
     a, _unknown = p.parse_known_args(argv)
     token = a.token or (open(a.internal_token_file).read().strip() if a.internal_token_file else None)
-    bootstrap = a.bootstrap_port if a.role == "prefill" and a.bootstrap_port else a.port
+    bootstrap = a.bootstrap_port if a.role in ("prefill", "encoder") and a.bootstrap_port else a.port
     st = Stub(a.role, bootstrap, token, a.token_delay, a.waiting_timeout, a.prefill_delay)
     app = build_app(st)
     ports = sorted({a.port, bootstrap})

@@ -1,6 +1,7 @@
 """`pdserve up` with stub workers (--worker-cmd): it waits until healthy, prints the URL and a curl
-example, serves through the router, and stops every child on SIGINT with exit 0; a worker that dies
-at start makes it print the log tail and exit non-zero."""
+example, serves through the router (an image request through its encoder with --encoder), and stops every
+child on SIGINT with exit 0; a worker that dies at start (an encoder on a text-only model) makes it print
+the log tail and exit non-zero."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             "2",
             "--decode",
             "1",
+            "--encoder",
+            "1",
             "--port",
             str(port),
             "--log-dir",
@@ -65,10 +68,18 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             lines.append(proc.stdout.readline())
         text = "".join(lines)
         pids = [int(p) for p in re.findall(r"pid (\d+)", text)]
-        assert len(pids) == 4 and f"http://127.0.0.1:{port}/v1/chat/completions" in text and "curl" in text
+        assert len(pids) == 5 and f"http://127.0.0.1:{port}/v1/chat/completions" in text and "curl" in text
         assert '"model": "stub-model"' in text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert r.status_code == 200 and len(r.json()["choices"][0]["text"].split()) == 3
+        # the encoder is registered with its bootstrap port; an image request goes encoder -> prefill -> decode
+        enc = re.search(r"started encoder-0 pid \d+: (\S+)", text).group(1)
+        (worker,) = [w for w in httpx.get(f"http://127.0.0.1:{port}/admin/workers").json()["workers"]
+                     if w["role"] == "encoder"]
+        assert worker["url"] == enc and worker["bootstrap_port"] not in (None, int(enc.rsplit(":", 1)[1]))
+        image = {"text": "describe", "image_data": ["data:image/png;base64,iVBORw0KGgo="],
+                 "sampling_params": {"max_new_tokens": 3}}
+        assert httpx.post(f"http://127.0.0.1:{port}/generate", json=image).status_code == 200
         # workers demand the generated internal token: a direct call without it is refused
         worker_url = re.search(r"started prefill-0 pid \d+: (\S+)", text).group(1)
         assert httpx.post(worker_url + "/generate", json={"text": "x"}).status_code == 401
@@ -83,14 +94,19 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
 
 
 def test_up_reports_a_worker_that_dies_at_start(tmp_path):
+    # the encoder dies as `pdserve encoder` does on a text-only model; the prefill and decode are stubs
     crash = tmp_path / "crash.py"
-    crash.write_text("import sys\nprint('model load failed: boom', flush=True)\nsys.exit(3)\n")
-    proc = _up(
-        ["--port", str(free_port()), "--log-dir", str(tmp_path), "--worker-cmd", f"{sys.executable} {crash}"]
-    )
+    crash.write_text(
+        "import os, sys\n"
+        "if sys.argv[1] != 'encoder':\n"
+        f"    os.execv(sys.executable, [sys.executable, {str(STUB)!r}, *sys.argv[1:]])\n"
+        "print(\"ValueError: `pdserve encoder` runs a vision-language model's tower; llama has none\")\n"
+        "sys.exit(3)\n")
+    proc = _up(["--encoder", "1", "--port", str(free_port()), "--log-dir", str(tmp_path),
+                "--worker-cmd", f"{sys.executable} {crash}"])
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert "exited with 3" in out and "model load failed: boom" in out
+    assert "encoder-0 exited with 3" in out and "vision-language model's tower; llama has none" in out
 
 
 class _Lines:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("colocated_service", "prefill_service", "decode_service")
+SERVICES = ("colocated_service", "prefill_service", "decode_service", "encoder_service")
 PACKAGES = ("common", "engine", "transfer", "service", *SERVICES, "router", "loadtest", "pdserve")
 HTTP = ("fastapi", "starlette", "uvicorn", "httpx", "zmq", "msgpack")
 # package -> top-level modules it must never import
