@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from colocated_service.worker import ColocatedRole
+from common.procs import stop_all
 from decode_service.worker import DecodeRole, decode_engine_config
 from engine.config import EngineConfig
 from engine.forward.model_runner import ModelRunner
@@ -52,8 +53,9 @@ def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[di
         procs["router"].wait_healthy(60)
         yield procs
     finally:
+        stop_all(list(procs.values()), 20)  # all at once: each drains and stops its worker in parallel
         for p in procs.values():
-            p.stop()
+            p.stop()  # gone already: removes its log
 
 
 def pd_equals_colocated(cfg: EngineConfig, prompts: list[list[int]], sampling: SamplingParams, **pair: object) -> None:

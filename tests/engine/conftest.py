@@ -7,6 +7,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.models.embedded import embedded_model_dir
+from tests.hf_oracle import hf_greedy_along
 
 TEXTS = [
     "Hello!",
@@ -62,16 +63,21 @@ def runner():
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(hf_model, prompts):
-    """HF transformers' 32-token greedy continuation of each prompt, run alone."""
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
-                                  pad_token_id=2)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+def hf_greedy(hf_model):
+    """hf_greedy(ids, out, n): transformers' greedy continuation of `ids` (n tokens, or up to its EOS)
+    checked against `out` by teacher forcing (tests/hf_oracle.py, hf_greedy_along): equals `out` exactly
+    when `out` is what hf_model.generate(do_sample=False) returns. One forward per check, memoized."""
+    eos = hf_model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
+    memo: dict = {}
+
+    def check(ids: list[int], out: list[int], n: int) -> list[int]:
+        key = (tuple(ids), tuple(out), n)
+        if key not in memo:
+            memo[key] = hf_greedy_along(hf_model, ids, out, n, eos)
+        return memo[key]
+
+    return check
 
 
 @pytest.fixture(scope="session")

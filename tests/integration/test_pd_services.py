@@ -15,6 +15,8 @@ import pytest
 from pd_harness import Pair, call, info, pd_call, start_service, text_of, wait_idle
 from router_harness import wait_for
 
+from common.procs import stop_all
+
 pytestmark = pytest.mark.slow
 
 BIG = ["--max-total-tokens", "8192"]
@@ -30,10 +32,14 @@ SHORT_TIMEOUT = 4.0
 
 @pytest.fixture(scope="module")
 def svc():
-    """All services of this module, started at once (model loading overlaps)."""
+    """All services of this module: the colocated one first, then the others at once (model loading
+    overlaps), and while they load, `alone`'s outputs on the colocated service (one core computes them
+    one at a time, the other loads the services; nothing else reaches the colocated service before the
+    fixture yields, so each output is computed alone)."""
     procs: dict = {}
     try:
         procs["colo"], _ = start_service("colocated", *BIG)
+        procs["colo"].wait_healthy(600)
         procs["pre"], boot = start_service("prefill", *BIG, *PATIENT, "--bootstrap-timeout", "600")
         procs["dec"], _ = start_service("decode", *BIG, *PATIENT, "--waiting-timeout", "600")
         procs["small"], _ = start_service("decode", *PATIENT, "--max-total-tokens", str(SMALL_DECODE_TOKENS),
@@ -41,17 +47,20 @@ def svc():
         procs["pre_short"], boot_short = start_service(
             "prefill", *BIG, "--bootstrap-timeout", str(SHORT_TIMEOUT), "--chunked-prefill-size", "64")
         procs["dec_short"], _ = start_service("decode", *BIG, "--waiting-timeout", str(SHORT_TIMEOUT))
+        alone = _alone(procs["colo"])
         for p in procs.values():
             p.wait_healthy(600)
         yield {
             "colo": procs["colo"],
+            "alone": alone,
             "pair": Pair(procs["pre"], procs["dec"], boot),
             "small": Pair(procs["pre"], procs["small"], boot),
             "short": Pair(procs["pre_short"], procs["dec_short"], boot_short),
         }
     finally:
+        stop_all(list(procs.values()), 20)  # all at once: each drains and stops its worker in parallel
         for p in procs.values():
-            p.stop()
+            p.stop()  # gone already: removes its log
 
 
 def _body(path: str, stream: bool, max_tokens: int = 16) -> dict:
@@ -114,16 +123,21 @@ def _sp(max_tokens: int) -> dict:
     return {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def alone(svc):
+def _alone(colo) -> list[list[int]]:  # noqa: ANN001
     """Each prompt's greedy output from the colocated service, one at a time."""
     outs = []
     for text, max_tokens in LOAD:
-        status, body = call(svc["colo"].url, "/generate", {
+        status, body = call(colo.url, "/generate", {
             "text": text, "sampling_params": _sp(max_tokens)})
         assert status == 200, body
         outs.append(body["output_ids"])
     return outs
+
+
+@pytest.fixture(scope="module")
+def alone(svc):
+    """Each prompt's greedy output from the colocated service, one at a time (computed by svc)."""
+    return svc["alone"]
 
 
 def _run_load(pair: Pair, load: list[tuple[str, int]] = LOAD) -> list[list[int]]:

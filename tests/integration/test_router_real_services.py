@@ -107,6 +107,7 @@ def stack(tmp_path_factory):
                "collector": collector, "up_out": "".join(out), "logs": logs}
     finally:
         up.send_signal(2)
+        colo.signal(signal.SIGTERM)  # drains beside `up`'s children; colo.stop() below waits for it
         try:
             up.wait(60)
         except subprocess.TimeoutExpired:

@@ -7,8 +7,9 @@ heads into full pages before sending, a TP > 1 decode receives into staging and 
 heads (engine/distributed/tp_kv.py); a TP 4 decode replicates each of the 2 KV heads on 2 ranks. Also: decode-side
 reuse, retraction on a TP 2 decode, a sliding-window pair (only the window moves), an abort while
 the KV is awaited, and a pair of different models refused with 412. Every answer must
-equal the colocated TP 1 service's, greedy; the test plays the router (the body plus bootstrap
-fields to the chosen prefill and decode), and one pair goes through the real router.
+equal the colocated TP 1 engine's, greedy (the offline LLM in this process, one thread as the services:
+what a colocated service runs, without two more service starts); the test plays the router (the body
+plus bootstrap fields to the chosen prefill and decode), and one pair goes through the real router.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import random
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -52,10 +54,46 @@ def _ids(status_body: tuple[int, object]) -> list[int]:
     return body["output_ids"]  # type: ignore[index]
 
 
+@contextmanager
+def _one_thread():
+    """torch's thread count is the process's: one thread (the services' --threads 1), then back."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class Colocated:
+    """The colocated TP 1 reference: the offline engine (engine.engine.LLM) on `model`, as `pdserve
+    colocated --model MODEL --page-size 8 --threads 1` runs it, one request at a time."""
+
+    def __init__(self, model: Path) -> None:
+        from engine.config import EngineConfig
+        from engine.engine import LLM
+        from engine.sampling.params import SamplingParams
+
+        self._params = SamplingParams
+        with _one_thread():
+            self.llm = LLM(EngineConfig(model=str(model), device="cpu", page_size=8, threads=1,
+                                        max_total_tokens=16384, host_kv_tokens=16384))
+
+    def __call__(self, ids: list[int], new: int = NEW) -> list[int]:
+        with _one_thread():
+            out = self.llm.generate([ids], self._params(temperature=0.0, max_new_tokens=new, ignore_eos=True))[0]
+        assert out.error is None and len(out.output_ids) == new, out
+        assert self.llm.scheduler.kv.all_free()
+        return out.output_ids
+
+
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory: pytest.TempPathFactory):
-    """colocated TP1; prefills TP1, TP2; decodes TP1, TP2 (small pool), TP4; a decode of another model
-    (4 KV heads: unservable); all started at once (their model loads overlap)."""
+    """prefills TP1, TP2; decodes TP1, TP2 (small pool), TP4; a decode of another model (4 KV heads:
+    unservable); a sliding-window TP2 prefill and TP4 decode; all started at once (their model loads
+    overlap); the colocated TP 1 references in this process (Colocated)."""
     root = tmp_path_factory.mktemp("tp_pd")
     model = make_tiny_model(make_tokenizer_dir(root / "gqa"))
     other = make_tiny_model(make_tokenizer_dir(root / "mha"), num_key_value_heads=4)
@@ -63,7 +101,6 @@ def stacks(tmp_path_factory: pytest.TempPathFactory):
     boots: dict = {}
     try:
         common = ["--model", str(model), *PAGE, *PATIENT]
-        procs["colo"], _ = start_service("colocated", "--model", str(model), *PAGE)
         procs["p1"], boots["p1"] = start_service("prefill", *common)
         # chunks of 16 tokens: a room's pages are gathered and sent chunk by chunk
         procs["p2"], boots["p2"] = start_service("prefill", *common, "--tp", "2", "--chunked-prefill-size", "16")
@@ -73,14 +110,14 @@ def stacks(tmp_path_factory: pytest.TempPathFactory):
         procs["bad"], _ = start_service("decode", "--model", str(other), *PAGE, *PATIENT)
         # a sliding-window Mistral (same weights, window 16): only the window's pages move
         swa = make_tiny_model(make_tokenizer_dir(root / "swa"), model_type="mistral", sliding_window=16)
-        procs["colo_swa"], _ = start_service("colocated", "--model", str(swa), *PAGE)
         procs["p2_swa"], boots["p2_swa"] = start_service("prefill", "--model", str(swa), *PAGE, *PATIENT, "--tp", "2")
         procs["d4_swa"], _ = start_service("decode", "--model", str(swa), *PAGE, *PATIENT, "--tp", "4")
+        refs = {"colo": Colocated(model), "colo_swa": Colocated(swa)}  # while the services start
         for p in procs.values():
             p.wait_healthy(300)
         procs["router"] = start_router(["--prefill", procs["p2"].url, "--decode", procs["d4"].url])
         procs["router"].wait_healthy(60)
-        yield {"procs": procs, "pair": lambda p, d: Pair(procs[p], procs[d], boots[p])}
+        yield {"procs": procs, "pair": lambda p, d: Pair(procs[p], procs[d], boots[p]), **refs}
     finally:
         stop_all(list(procs.values()), 20)  # all at once: each drains and stops its ranks in parallel
         for p in procs.values():
@@ -88,7 +125,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _colocated(stacks: dict, ids: list[int], new: int = NEW) -> list[int]:
-    return _ids(call(stacks["procs"]["colo"].url, "/generate", _body(ids, new)))
+    return stacks["colo"](ids, new)
 
 
 @pytest.mark.parametrize(("p", "d"), [("p1", "d1"), ("p1", "d2"), ("p2", "d1"), ("p2", "d2"), ("p1", "d4"),
@@ -142,7 +179,7 @@ def test_unservable_pair_is_refused_412_naming_the_field(stacks: dict) -> None:
 
 def test_sliding_window_pair_sends_only_the_window(stacks: dict) -> None:
     ids = _prompt(21, 45)  # pages 0-2 lie before the last window of 16 tokens: never sent
-    want = _ids(call(stacks["procs"]["colo_swa"].url, "/generate", _body(ids)))
+    want = stacks["colo_swa"](ids)
     pair = stacks["pair"]("p2_swa", "d4_swa")
     pre, dec = pd_call(pair, "/generate", _body(ids))
     assert pre[0] == 200, pre

@@ -15,6 +15,7 @@ import pytest
 from pd_harness import COMMON, Pair, pd_call, start_service, text_of, wait_idle
 from router_harness import Proc, free_port
 
+from common.procs import stop_all
 from tests.integration.slow_prefill import SLOW_S
 
 pytestmark = pytest.mark.slow
@@ -45,5 +46,6 @@ def test_room_survives_a_20s_forward_with_default_heartbeats():
         wait_idle(pre)
         wait_idle(dec)
     finally:
-        pre.stop()
+        stop_all([pre, dec], 20)  # both at once
+        pre.stop()  # gone already: removes its log
         dec.stop()
