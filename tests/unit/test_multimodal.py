@@ -195,3 +195,15 @@ def test_encoder_flags_are_the_towers_only():
     assert {"model", "device", "dtype", "bootstrap_port", "image_transfer_tokens", "image_cache_mb",
             "max_images_per_request"} <= flags
     assert not flags & {"max_total_tokens", "chunked_prefill_size", "lora_paths", "speculative", "prefix_cache"}
+
+
+def test_images_to_a_text_only_model_are_400s():
+    from service.protocol import parse_chat, parse_generate
+
+    text_only = Limits(role="colocated", context_length=40, vocab_size=100, model_name="m")  # no image tokens
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(RequestError, match="does not take images"):
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]},
+                   None, text_only)
+    with pytest.raises(RequestError, match="does not take images"):
+        parse_generate({"input_ids": [1, 2], "image_data": "data:image/png;base64,AAAA"}, None, text_only)
