@@ -208,10 +208,11 @@ class PrefillRole:
         assert self.images is not None and room.images is not None
         st = self.images.poll(room.images)
         if st == KVPoll.FAILED:
-            err = room.images.receiver.error
-            message, code, _ = transfer_error(err, "prefill")
-            self._end(room, FinishReason.ERROR, f"image rows from the encoder: {message}", code,
-                      "encoder" if err is None or err.peer_fault else "")
+            message, code, _ = transfer_error(room.images.receiver.error, "prefill")
+            room.sender.abort(f"image rows from the encoder failed: {message}")  # the decode's room ends too
+            # the encoder's room failed (it never came, timed out, or ended): a 5xx the router counts against the
+            # encoder and retries (a timeout's 408 would read as the client's fault)
+            self._end(room, FinishReason.ERROR, f"image rows from the encoder: {message}", max(code, 502), "encoder")
             return False
         if st != KVPoll.SUCCESS:
             return False
