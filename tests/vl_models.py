@@ -99,9 +99,9 @@ def write_qwen2_5_vl(dst: str | Path, text: dict | None = None, vision: dict | N
     ids, vocab = _tokenizer(dst)
     _processor(dst, 14, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711], max_image_tokens)
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(TEXT, vocab_size=vocab, bos_token_id=None, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-                         **(text or {})),
+        text_config={**TEXT, "vocab_size": vocab, "bos_token_id": None, "eos_token_id": 2,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+                     **(text or {})},
         vision_config=dict(dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                 patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56,
                                 fullatt_block_indexes=[1], hidden_act="silu"), **(vision or {})),
