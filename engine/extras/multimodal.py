@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -56,7 +56,6 @@ class Multimodal:
     images: list[Image]
     positions: torch.Tensor | None = None  # int64 [3, prompt length]
     delta: int = 0  # after the prompt: rope position = cache position + delta
-    spans: list[tuple[int, int]] = field(default_factory=list)
 
     def bind(self, ids: list[int], cfg: Any) -> None:
         """Compute the prompt's 3-D positions (engine.models.mrope) for a model config `cfg`."""
