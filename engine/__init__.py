@@ -8,14 +8,18 @@ mkldnn computations; ONEDNN_PRIMITIVE_CACHE_CAPACITY: oneDNN's primitives; both 
 entry belongs to one GEMM shape, i.e. one token count of a forward, and holds megabytes: a prefill that
 sees prompts of many lengths kept growing by ~3 MB per new length (measured: 300 lengths, +980 MB of
 anonymous memory on the embedded model, flat when bounded), which an hour's soak showed as a worker's
-RSS creeping up (issue 53). Bounded at CACHE_CAPACITY entries, a new shape costs its primitive's
-creation again instead; an explicit setting in the environment wins.
+RSS creeping up (issue 53). Bounded (torch's at LRU_CAPACITY, oneDNN's at
+PRIMITIVE_CAPACITY entries), a new shape costs its primitive's creation again instead; an explicit setting
+in the environment wins. oneDNN's needs room for one forward's working set: engine/models/cpu_gemm.py runs
+packed GEMMs at bucketed row counts, and an MoE layer calls its experts at several of them (16 thrashed:
+decode batch 16 of an MoE model 2x slower); torch's cache does not affect speed here (measured).
 """
 
 import os
 
-CACHE_CAPACITY = "16"
+LRU_CAPACITY = "16"
+PRIMITIVE_CAPACITY = "64"
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-os.environ.setdefault("LRU_CACHE_CAPACITY", CACHE_CAPACITY)
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", CACHE_CAPACITY)
+os.environ.setdefault("LRU_CACHE_CAPACITY", LRU_CAPACITY)
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CAPACITY)

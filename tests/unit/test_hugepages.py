@@ -72,10 +72,10 @@ def test_importing_engine_bounds_the_per_shape_gemm_caches_unless_set() -> None:
             "os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))")
     env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.split() == ["16", "16"]
+    assert run.stdout.split() == ["16", "64"]
     mine = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "LRU_CACHE_CAPACITY": "512"},
                           capture_output=True, text=True, check=True)
-    assert mine.stdout.split() == ["512", "16"]
+    assert mine.stdout.split() == ["512", "64"]
 
 
 def test_many_prompt_lengths_leave_the_anonymous_memory_flat() -> None:
