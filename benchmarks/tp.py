@@ -55,16 +55,15 @@ def _median_ms(fn, repeats: int) -> float:  # noqa: ANN001 - a zero-argument cal
 
 def step_times(model: Path, tp: int, threads: int, args: argparse.Namespace) -> dict:
     """Median prefill and decode step times (ms) of ModelRunner.forward, and under TP the KV staging."""
-    from common.procs import free_port
     from engine.config import EngineConfig
     from engine.distributed import tp_kv, tp_ranks
     from engine.distributed.tp_runner import make_runner
     from engine.forward.forward_batch import LOGITS_LAST, Segment, forward_segments
 
     ps = 16
-    cfg = EngineConfig(model=str(model), device="cpu", threads=threads, page_size=ps, tp=tp,
-                       max_total_tokens=args.prefill_tokens + 16 * 272 + 4 * ps, host_kv_tokens=64,
-                       dist_init_addr=f"127.0.0.1:{free_port()}" if tp > 1 else "")
+    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(
+        model=str(model), device="cpu", threads=threads, page_size=ps, tp=tp,
+        max_total_tokens=args.prefill_tokens + 16 * 272 + 4 * ps, host_kv_tokens=64))
     procs = tp_ranks.spawn_ranks(cfg) if tp > 1 else []
     runner = make_runner(cfg)
     try:

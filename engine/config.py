@@ -332,6 +332,9 @@ class EngineConfig:
                              "--device cuda:N, cuda:i for --device cuda; cpu for every rank on the CPU)", group=TP)
     dist_init_addr: str = option("", "HOST:PORT where the ranks meet (torch.distributed rendezvous at rank 0; "
                                  "default: a free loopback port; needed with --nnodes > 1)", group=TP)
+    # set by host_rendezvous (no flag): the rendezvous store at dist_init_addr is held by the launching
+    # process, so rank 0 joins it as a client (a port the OS picked and the store still holds: no race)
+    dist_store_hosted: bool = False
     nnodes: int = option(1, "nodes the TP group spans (--tp / --nnodes ranks on each)", group=TP)
     node_rank: int = option(0, "this node's index in 0..nnodes-1; 0 runs the frontend and rank 0, others only "
                             "their ranks", group=TP)

@@ -42,9 +42,8 @@ import uvicorn
 
 from common import tracing
 from common.logs import setup_logging
-from common.procs import free_port
 from engine.config import ModelConfig
-from engine.distributed.tp_ranks import check_model, run_rank, spawn_ranks
+from engine.distributed.tp_ranks import check_model, host_rendezvous, run_rank, spawn_ranks
 from engine.models.embedded import resolve_model_path
 from service.bridge import WorkerBridge
 from service.config import ServerConfig, build_parser, server_config_from_args
@@ -89,16 +88,15 @@ def _stop_all(procs: list[mp.process.BaseProcess]) -> None:
         _stop_worker(p)
 
 
-def _tp_ready(config: ServerConfig, model_dir: Path) -> ServerConfig:
-    """The config with a rendezvous address when --tp > 1 needs one; ValueError naming the config.json
-    field the group cannot shard (before any process starts)."""
-    eng = config.engine
-    if eng.tp == 1:
-        return config
-    check_model(ModelConfig.from_dir(model_dir), eng.tp)
-    if not eng.dist_init_addr:
-        eng = dataclasses.replace(eng, dist_init_addr=f"127.0.0.1:{free_port()}")
-    return dataclasses.replace(config, engine=eng)
+def _tp_ready(config: ServerConfig, model_dir: Path) -> tuple[ServerConfig, Any]:
+    """(the config with a rendezvous address when --tp > 1 needs one, the rendezvous store this process
+    holds for it or None); ValueError naming the config.json field the group cannot shard (before any
+    process starts)."""
+    if config.engine.tp == 1:
+        return config, None
+    check_model(ModelConfig.from_dir(model_dir), config.engine.tp)
+    eng, store = host_rendezvous(config.engine)
+    return dataclasses.replace(config, engine=eng), store
 
 
 def _run_rank(config: ServerConfig, rank: int) -> None:
@@ -134,7 +132,7 @@ def serve(config: ServerConfig, worker_entry: WorkerEntry,
     tracing.setup(f"pdserve-{config.role}", config.otlp_endpoint)
     try:
         model_dir = resolve_model_path(config.engine.model)
-        config = _tp_ready(config, model_dir)
+        config, _store = _tp_ready(config, model_dir)  # held until serve returns
     except (ValueError, FileNotFoundError) as e:
         log.error("%s", e)
         return 2

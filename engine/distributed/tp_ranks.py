@@ -35,6 +35,7 @@ their receive and exit 1 (they also exit when their parent process goes). Nothin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -143,8 +144,13 @@ def join(cfg: EngineConfig, rank: int) -> tuple[TPGroup, Any]:
     if not cfg.dist_init_addr:
         raise ValueError("--tp > 1 needs --dist-init-addr (the launcher picks one on a single node)")
     device = rank_device(cfg, rank)
-    dist.init_process_group("gloo", init_method=f"tcp://{cfg.dist_init_addr}", rank=rank, world_size=cfg.tp,
-                            timeout=RENDEZVOUS_TIMEOUT)
+    if cfg.dist_store_hosted:
+        host, _, port = cfg.dist_init_addr.rpartition(":")
+        store = dist.TCPStore(host, int(port), cfg.tp, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.tp, timeout=RENDEZVOUS_TIMEOUT)
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg.dist_init_addr}", rank=rank, world_size=cfg.tp,
+                                timeout=RENDEZVOUS_TIMEOUT)
     ctrl = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -153,6 +159,18 @@ def join(cfg: EngineConfig, rank: int) -> tuple[TPGroup, Any]:
         model_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     log.info("tensor-parallel rank %d/%d joined at %s on %s", rank, cfg.tp, cfg.dist_init_addr, device)
     return TPGroup(rank=rank, size=cfg.tp, group=model_group), ctrl
+
+
+def host_rendezvous(cfg: EngineConfig) -> tuple[EngineConfig, Any]:
+    """(cfg, the store) for a single-node group without --dist-init-addr: this process holds the
+    rendezvous store on a loopback port the OS picked and every rank, rank 0 too, joins it as a client.
+    (A port picked free and bound later by rank 0 could be taken in between: EADDRINUSE.) Keep the store
+    alive while the group runs. (cfg, None) when a group needs no store here (tp 1, or an address given)."""
+    if cfg.tp == 1 or cfg.dist_init_addr:
+        return cfg, None
+    store = dist.TCPStore("127.0.0.1", 0, cfg.tp, is_master=True, wait_for_workers=False,
+                          timeout=RENDEZVOUS_TIMEOUT)
+    return dataclasses.replace(cfg, dist_init_addr=f"127.0.0.1:{store.port}", dist_store_hosted=True), store
 
 
 def leave() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.procs import free_port
 from engine.config import EngineConfig
 from engine.distributed import tp_kv, tp_ranks
 from engine.forward.forward_batch import LOGITS_ALL, LOGITS_LAST, Segment, forward_segments
@@ -34,7 +33,7 @@ def pair(tmp_path_factory):  # noqa: ANN001, ANN201
     path = tmp_path_factory.mktemp("deepseek_tp")
     hf = save_deepseek("deepseek_v3", path)
     one = ModelRunner(EngineConfig(model=str(path), **ENGINE))
-    cfg = EngineConfig(model=str(path), tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **ENGINE)
+    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(model=str(path), tp=2, **ENGINE))
     procs = tp_ranks.spawn_ranks(cfg)
     try:
         two = make_runner(cfg)

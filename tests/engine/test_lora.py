@@ -199,7 +199,6 @@ def test_tp_slices_sum_to_the_whole_update(lora_setup):
 def test_tp2_with_adapters_matches_tp1(tmp_path):
     """TP 2 (rank 1 a spawned process over gloo): adapters loaded at start-up and at run time (a rank
     op on both ranks) give the TP 1 logits, each rank holding its A/B shares."""
-    from common.procs import free_port
     from engine.config import ModelConfig
     from engine.distributed import tp_ranks
     from engine.distributed.tp_runner import make_runner
@@ -215,7 +214,7 @@ def test_tp2_with_adapters_matches_tp1(tmp_path):
     eng = dict(model=str(model), max_total_tokens=512, page_size=4, threads=1, max_loaded_loras=2, max_lora_rank=8,
                lora_paths=(f"a={a}",))
     one = ModelRunner(EngineConfig(**eng))
-    cfg = EngineConfig(tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **eng)
+    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(tp=2, **eng))
     procs = tp_ranks.spawn_ranks(cfg)
     try:
         two = make_runner(cfg)

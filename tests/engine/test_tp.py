@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from colocated_service.worker import ColocatedRole
-from common.procs import free_port
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed import tp_ranks
 from engine.kvcache.memory import pages_for
@@ -59,7 +58,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
     model = str(_tiny(tmp_path_factory.mktemp("tp"), request.param))
     one = ModelRunner(EngineConfig(model=model, **ENGINE))
-    cfg = EngineConfig(model=model, tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **ENGINE)
+    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(model=model, tp=2, **ENGINE))
     procs = tp_ranks.spawn_ranks(cfg)
     try:
         two = make_runner(cfg)
@@ -176,9 +175,10 @@ def test_a_lost_rank_ends_the_others_promptly(tiny_llama: Path) -> None:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    groups = []
+    groups, stores = [], []
     for _ in range(2):  # both groups start at once
-        cfg = EngineConfig(model=str(tiny_llama), tp=2, dist_init_addr=f"127.0.0.1:{free_port()}", **ENGINE)
+        cfg, store = tp_ranks.host_rendezvous(EngineConfig(model=str(tiny_llama), tp=2, **ENGINE))
+        stores.append(store)
         ready, go = ctx.Event(), ctx.Event()
         driver = ctx.Process(target=_driver_then_op, args=(cfg, ready, go))
         driver.start()
