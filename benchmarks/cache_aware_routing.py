@@ -25,9 +25,11 @@ Workloads (--workload):
   to the last one is in (starts --stagger s apart, --think-time between turns, --concurrency caps the
   requests in flight). The prefills' KV pools are small (--max-total-tokens) so that they evict under
   the workload: that is where the approximate index, which never learns of evictions, guesses wrong.
-- chat (issue 14's original comparison): loadtest/multiturn.py's lockstep chat conversations; the
-  router sees text, so cache_aware_events falls back to the approximate index there. The old figures
-  (docs/benchmarks.md, "Prefix-aware routing, PD") came from
+- chat (issue 14's original comparison): loadtest/multiturn.py's lockstep chat conversations. The router
+  tokenizes the messages as the prefills' frontends do (router/prompt_ids.py, the tokenizer the prefills
+  report in /server_info), so cache_aware_events scores them by the KV index too; each events run waits
+  for that tokenizer before it starts, and its /admin/kv_index (kept in the JSON) counts the prompts it
+  tokenized. The old figures (docs/benchmarks.md, "Prefix-aware routing, PD") came from
       --workload chat --prefills 2 --routings round_robin,cache_aware_approx --max-total-tokens 0
 
 Figures per (prefills, routing): prefix hit rate = cached prompt tokens / prompt tokens over turns 2..
@@ -108,8 +110,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated prefill counts to compare, each behind one router and one decode "
                         "(default 2,4); the largest count of prefills is started, smaller counts use the first k")
     s.add_argument("--routings", default=None,
-                   help=f"comma-separated routings out of {', '.join(ROUTINGS)} (default: all three for tokens, "
-                        "round_robin,cache_aware_approx for chat)")
+                   help=f"comma-separated routings out of {', '.join(ROUTINGS)} (default: all three)")
     s.add_argument("--max-total-tokens", type=int, default=None,
                    help="each prefill's device KV pool in tokens: small, so that the prefills evict under the "
                         "workload (default: 3072 tokens; 0 chat = the worker's default)")
@@ -133,7 +134,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.routings is None:
-        a.routings = ",".join(ROUTINGS) if a.workload == "tokens" else "round_robin,cache_aware_approx"
+        a.routings = ",".join(ROUTINGS)
     a.prefill_counts = sorted({int(x) for x in a.prefills.split(",") if x.strip()})
     a.routing_list = [r.strip() for r in a.routings.split(",") if r.strip()]
     bad = [r for r in a.routing_list if r not in ROUTINGS]
@@ -227,6 +228,12 @@ class Stack:
         if kv_events == "auto":
             _wait(lambda: want <= set(_get(self.router + "/admin/kv_index")["workers"]), 60,
                   "the router subscribing to every prefill's KV events")
+            if self.a.workload == "chat":  # text prompts: routed by the index once the router has the tokenizer
+                _wait(lambda: (_get(self.router + "/admin/kv_index").get("tokenizer") or {}).get("state")
+                      in ("ready", "failed"), 120, "the router loading the prefills' tokenizer")
+                tok = _get(self.router + "/admin/kv_index")["tokenizer"]
+                if tok["state"] != "ready":
+                    raise RuntimeError(f"the router could not load the tokenizer: {tok}")
             time.sleep(1.0)  # zmq's slow joiner: the SUBs' subscriptions reach the PUBs
         return self.router
 
@@ -485,8 +492,10 @@ def one_run(stack: Stack, a: argparse.Namespace, source: TokenSource | None, k: 
         rep = sum(w["reported_cached_tokens"] for w in ws.values())
         n = {f: sum(w[f] for w in ws.values()) for f in ("gaps", "replays", "stale_clears", "restarts")}
         why = " (expected: one per prefill that served an earlier run)" if n["gaps"] else ""
+        tok = r["kv_index"].get("tokenizer") or {}
         log(f"   KV index: predicted cached tokens {pred}, reported {rep}; gaps {n['gaps']} (replays "
-            f"{n['replays']}, stale clears {n['stale_clears']}){why}, restarts {n['restarts']}")
+            f"{n['replays']}, stale clears {n['stale_clears']}){why}, restarts {n['restarts']}; prompts the router "
+            f"tokenized {tok.get('tokenized', 0)}")
     return r
 
 

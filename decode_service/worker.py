@@ -352,7 +352,9 @@ class DecodeRole:
         for room, (r, rx, t0) in list(self.transfer.items()):
             if self.staged:  # every rank stores its heads of the pages landed so far (a collective)
                 for pages, buf in rx.landed():
-                    scatter(self.runner, pages, buf)
+                    pages, buf = self.wire.keep(self.landing.get(room), pages, buf)  # hybrid: the state's pages
+                    if pages:
+                        scatter(self.runner, pages, buf)
             st = rx.poll()
             if st == KVPoll.FAILED and rx.error is not None and rx.error.code == ErrorCode.PREFIX_MISMATCH:
                 self._ask_whole(room)
@@ -425,6 +427,7 @@ class DecodeRole:
     def _free_landing(self, room: int) -> None:
         landing = self.landing.pop(room, None)
         if landing:
+            self.wire.drop(landing)
             self.kv.pool.allocator.free(landing)
 
     def _drop_transfer(self, room: int, keep_pages: bool = False) -> None:

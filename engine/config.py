@@ -20,6 +20,7 @@ from typing import Any
 from common.checks import need
 from common.configs import Group, nested, option
 from engine.extras.speculative.config import SpecConfig
+from engine.kv_fp8 import KV_CACHE_DTYPES
 from engine.models.registry import family
 from engine.models.rope_scaling import check_rope, rope_type
 
@@ -301,6 +302,13 @@ class EngineConfig:
         "divide them), both symmetric; on the CPU they run through low-bit GEMM kernels (faster decode, 4x / ~7x "
         "fewer weight bytes, small accuracy loss). none (default): exact. Refused for an already quantized "
         "checkpoint (its quantization_config)", group=MODEL, choices=QUANTIZATIONS)
+    kv_cache_dtype: str = option(
+        "auto", "what the KV cache stores. auto (default): the model's --dtype. fp8_e4m3: float8_e4m3fn codes with "
+        "one float32 scale per token and KV head (MLA: per token latent), dynamic (max|row| / 448, nothing to "
+        "calibrate), kept inside the page so PD transfers and the host tier move them with it: about half the KV "
+        "bytes of bf16 and a quarter of fp32 (the default --max-total-tokens grows to match), a small accuracy "
+        "loss. Read by the torch and triton attention backends (auto picks torch on a CPU); a PD prefill and "
+        "decode must use the same (else 412)", group=MODEL, choices=KV_CACHE_DTYPES)
     new_token_ratio: float = option(0.4, "share of each request's max_new_tokens reserved in KV when admitting it",
                                     group=MODEL)
     seed: int = option(0, "default sampling seed", group=MODEL)
@@ -404,6 +412,11 @@ class EngineConfig:
              f"--attention-backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         need(self.attention_backend != "cpu" or (self.device == "cpu" and self.dtype == "float32"),
              "--attention-backend cpu runs float32 on the CPU only (use torch for other dtypes)")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}")
+        need(self.attention_backend != "cpu" or self.kv_cache_dtype == "auto",
+             "--attention-backend cpu reads float32 pages in place; with --kv-cache-dtype fp8_e4m3 use torch "
+             "(or auto, which picks it on a CPU)")
         need(self.cpu_gemm in CPU_GEMMS, f"--cpu-gemm must be onednn or torch, got {self.cpu_gemm!r}")
         need(self.quantization in QUANTIZATIONS,
              f"--quantization must be none, int8 or int4, got {self.quantization!r}")
@@ -476,4 +489,5 @@ class EngineConfig:
             return self.attention_backend
         if self.device.startswith("cuda"):
             return "triton"
-        return "cpu" if self.device == "cpu" and self.dtype == "float32" else "torch"
+        fp32 = self.dtype == "float32" and self.kv_cache_dtype == "auto"
+        return "cpu" if self.device == "cpu" and fp32 else "torch"

@@ -10,7 +10,8 @@
     GET  /openapi.json, /docs   the API (common.api_schema: the proxied endpoints' bodies and errors)
     GET  /admin/workers, POST /admin/workers {url, role (prefill|decode|encoder), bootstrap_port?},
          DELETE /admin/workers?url=
-    GET  /admin/kv_index   the KV index fed by the workers' KV events, per worker (router.kv_index)
+    GET  /admin/kv_index   the KV index fed by the workers' KV events, per worker (router.kv_index), and the
+                           tokenizer of text and chat prompts (router.prompt_ids)
 Client auth (when API keys are configured): `Authorization: Bearer <key>` on /v1/*, /generate, /admin/*.
 """
 
@@ -38,6 +39,7 @@ from router.kv_index import KVIndex, KVSubscribers
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.prefix_index import PrefixIndex
+from router.prompt_ids import PromptTokenizer
 from router.protocol import error_body
 from router.proxy import Proxy
 from router.registry import Registry, Worker
@@ -83,10 +85,23 @@ class RouterState:
             local_prefill_queue_tokens=cfg.local_prefill_queue_tokens,
         )
         self.proxy.kv_index = self.kv_index
+        # text and chat prompts tokenized for the KV index (router/prompt_ids.py): loaded at the first worker
+        # with KV events, only when a role routes by cache_aware
+        cache_aware = "cache_aware" in (cfg.prefill_policy, cfg.decode_policy)
+        self.prompt_ids = PromptTokenizer(cfg.tokenizer) if self.kv_index is not None and cache_aware else None
+        self.proxy.prompt_ids = self.prompt_ids
         self.metrics.kv_index = self.kv_index
         self.health = HealthChecker(self.registry, self.client, cfg.health_interval_s,
-                                    self.kv_subs.watch_worker if self.kv_subs is not None else None)
+                                    self._server_info if self.kv_subs is not None else None)
         self.discovery = K8sDiscovery(cfg.k8s, self.registry, self.health) if cfg.k8s.enabled else None
+
+    def _server_info(self, w: Worker, info: dict) -> None:
+        """A worker's /server_info at its admission: subscribe to its KV events; the first one with events starts
+        loading the tokenizer."""
+        assert self.kv_subs is not None
+        self.kv_subs.watch_worker(w, info)
+        if self.prompt_ids is not None and isinstance(info.get("kv_events"), dict):
+            self.prompt_ids.want(info)
 
     def _ejected(self, w: Worker) -> None:
         self.metrics.ejections.inc(role=w.role, url=w.url)
@@ -108,6 +123,8 @@ class RouterState:
         await self.health.stop()
         if self.kv_subs is not None:
             await self.kv_subs.close()
+        if self.prompt_ids is not None:
+            await self.prompt_ids.close()
         await self.client.close()
 
 
@@ -236,7 +253,8 @@ def _add_admin_routes(app: FastAPI, cfg: RouterConfig, st: RouterState) -> None:
             return denied
         if st.kv_index is None:
             return JSONResponse({"enabled": False, "workers": {}})
-        return JSONResponse({"enabled": True, **st.kv_index.to_json()})
+        tok = st.prompt_ids.to_json() if st.prompt_ids is not None else None
+        return JSONResponse({"enabled": True, "tokenizer": tok, **st.kv_index.to_json()})
 
     @app.delete("/admin/workers", responses=api_schema.errors(401, 404, 409))
     async def remove_worker(request: Request, url: str = "") -> Response:

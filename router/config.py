@@ -32,6 +32,7 @@ from common.configs import nested, option
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 WORKER_ROLES = ("prefill", "decode", "encoder")
+EMBEDDED_TOKENIZER = "embedded:smollm2-135m"  # the embedded model's (engine/config.py: EMBEDDED_MODEL)
 BOOTSTRAP_ROLES = ("prefill", "encoder")  # roles that serve a bootstrap server (their peers connect to it)
 EMBEDDINGS_POOLS = ("prefill", "decode")
 
@@ -111,6 +112,11 @@ class RouterConfig:
         "auto", "cache_aware: auto subscribes to the KV cache events of every worker whose /server_info advertises "
         "them and scores those workers by what they hold (docs/kv_events.md); off keeps the approximate tree "
         "for all (default {default})", choices=("auto", "off"), cli_default=None)
+    tokenizer: str = option(
+        "", "cache_aware with KV events: the tokenizer the router hashes text and chat prompts with, as the workers' "
+        f"frontends tokenize them: an HF directory or {EMBEDDED_TOKENIZER} (default: the tokenizer_path the first "
+        "worker with KV events reports in /server_info; loaded then, in the background; when it cannot be loaded "
+        "text and chat prompts keep the approximate tree)", cli_default=None)
     balance_abs_threshold: int = option(
         4, "cache_aware: fall back to least_load when the chosen worker has this many more outstanding requests "
         "than the least loaded one (default {default}) ...", cli_default=None)
@@ -166,6 +172,8 @@ class RouterConfig:
         need(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in 0..1")
         need(self.cache_tree_chars >= 64, "--cache-tree-chars must be >= 64")
         need(self.kv_events in ("auto", "off"), "--kv-events must be auto or off")
+        need(not self.tokenizer.startswith("embedded:") or self.tokenizer == EMBEDDED_TOKENIZER,
+             f"--tokenizer {self.tokenizer!r}: the embedded tokenizer is {EMBEDDED_TOKENIZER}")
         need(self.balance_abs_threshold >= 0, "--balance-abs-threshold must be >= 0")
         need(self.balance_rel_threshold >= 1.0, "--balance-rel-threshold must be >= 1")
         need(self.processes >= 1, "--workers must be >= 1")

@@ -203,6 +203,11 @@ class KVIndex:
                 memo[key] = hashes
         return (*self.longest_prefix(url, hashes), w.block_size)
 
+    def held_tokens(self, url: str) -> int | None:
+        """Tokens the worker at `url` holds on its device (blocks x block size; None: no events from it)."""
+        w = self.workers.get(url)
+        return None if w is None or not w.block_size else len(w.media[GPU]) * w.block_size
+
     def record_predicted(self, url: str, tokens: int) -> None:
         """The cached prompt tokens the index predicted for a request routed to the worker at `url`."""
         w = self.workers.get(url)

@@ -8,20 +8,24 @@ failed this request before calling, and fall back to the full list if nothing is
 - least_load    fewest outstanding requests, ties by fewest outstanding tokens, then rotation.
 - cache_aware   an approximate per-worker prefix tree of the prompts routed so far
                 (router/prefix_index.py). The worker whose tree holds the longest prefix of the prompt
-                wins when that prefix is at least `threshold` of the prompt (ties: least loaded);
-                otherwise the least loaded worker, ties broken by the smallest tree (the most room for
-                a new prefix). Load guard: when the winner's outstanding requests exceed the least
-                loaded one's by both `abs_threshold` and `rel_threshold`x, least_load decides, so
-                one hot prefix cannot pin a worker. The picked worker's tree then holds the prompt.
+                wins when that prefix is at least `threshold` of the prompt; otherwise the least
+                loaded worker. Ties (several with the best score, or no winner): the fewest outstanding
+                requests, then the fewest tokens held (`held`: the most room for a new prefix; a worker
+                with KV events counts its device blocks x block size in the KV index, one without its
+                tree's characters / CHARS_PER_TOKEN), then the URL. Load guard: when the winner's
+                outstanding requests exceed the least loaded one's by both `abs_threshold` and
+                `rel_threshold`x, least_load decides, so one hot prefix cannot pin a worker. The picked
+                worker's tree then holds the prompt.
                 A request with a `routing_key` is routed by a digest of the key instead of its
                 prompt (router.protocol), so requests sharing a key stay on one worker.
                 With a KV index (router/kv_index.py, `--kv-events auto`): a worker that publishes KV
                 events is scored by what it really holds: the request's leading pages on its device,
                 plus HOST_WEIGHT x those after them on its host tier, as a share of the prompt's
                 tokens, against the same `threshold` and load guard. That needs the request's token
-                ids (`exact`: /generate `input_ids`, /v1/completions with a token-id prompt); a text
-                or chat prompt, a `routing_key`, or a worker without events is scored by the
-                approximate tree instead (the router has no tokenizer).
+                ids (`exact`): /generate `input_ids` and token-id completions carry them; text and chat
+                prompts get them from the router's tokenizer (router/prompt_ids.py, the frontends'
+                tokenization) once it is loaded. A request without them (no tokenizer, images, tools, a
+                `routing_key`) and a worker without events are scored by the approximate tree.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Protocol
 
 from router.kv_index import ExactPrompt, KVIndex
 from router.prefix_index import PrefixIndex
+from router.protocol import CHARS_PER_TOKEN
 from router.registry import Worker
 
 HOST_WEIGHT = 0.5  # a page on the host tier: loaded back, not recomputed, but not free either
@@ -86,12 +91,19 @@ class CacheAware:
                 return (device + HOST_WEIGHT * host) * size / len(exact.token_ids)
         return self.index.matched(w.url, chain) / len(chain) if chain else 0.0
 
+    def held(self, w: Worker) -> int:
+        """Prompt tokens `w` holds, the tie-break's measure (fewer: more room for a new prefix): its device
+        blocks x block size when it publishes KV events, else its approximate tree's characters / CHARS_PER_TOKEN."""
+        tokens = self.kv.held_tokens(w.url) if self.kv is not None else None
+        return tokens if tokens is not None else self.index.size(w.url) * self.index.block_chars // CHARS_PER_TOKEN
+
     def by_cache(self, candidates: list[Worker], chain: list[int], exact: ExactPrompt | None = None) -> Worker:
         scored = [(self.share(w, chain, exact), w) for w in candidates]
         best = max(n for n, _ in scored)
-        if best and best >= self._threshold:
-            return min((w for n, w in scored if n == best), key=lambda w: (w.outstanding_requests, w.url))
-        return min(candidates, key=lambda w: (w.outstanding_requests, self.index.size(w.url), w.url))
+        tied = [w for n, w in scored if n == best] if best and best >= self._threshold else candidates
+        if len(tied) == 1:
+            return tied[0]
+        return min(tied, key=lambda w: (w.outstanding_requests, self.held(w), w.url))
 
     def pick(self, candidates: list[Worker], prefix: str, exact: ExactPrompt | None = None) -> Worker:
         chain = self.index.chain(prefix)

@@ -39,7 +39,7 @@ MODELS = {"/generate": GenerateRequest, "/v1/completions": CompletionRequest,
           "/v1/chat/completions": ChatCompletionRequest}
 ENDPOINTS = tuple(MODELS)
 DEFAULT_MAX_NEW_TOKENS = 128  # load estimate only, when the request does not say
-CHARS_PER_TOKEN = 4  # load estimate only: the router has no tokenizer
+CHARS_PER_TOKEN = 4  # estimates only (load, the tie-break of a tree): the KV events tokenizer is not on this path
 LIST_LOGPROB_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 # E/P/D: where the prefill reaches the encoder that sends it the request's image embeddings (same room).
 # Set by the router only (on the prefill's body, when it picked an encoder), stripped from client bodies.
@@ -61,7 +61,8 @@ class ProxyRequest:
     input_logprobs: bool  # prefill's input logprobs go in front of decode's
     n: int = 1  # choices (the decode streams them interleaved, each event with its index)
     trace: Any = None  # the request's span while tracing is on (common.tracing), else None
-    exact: ExactPrompt | None = None  # token ids (+ salt, adapter) when the prompt is ids: exact KV index lookups
+    exact: ExactPrompt | None = None  # token ids (+ salt, adapter) for exact KV index lookups: a token-id prompt's,
+    # or a text/chat prompt's as the router tokenized it (router/prompt_ids.py, Proxy.with_prompt_ids)
     images: bool = False  # chat image_url parts or /generate image_data: an encoder may run them (E/P/D)
 
     def prefill_body(self, host: str, port: int, room: int, encoder: tuple[str, int] | None = None) -> dict:
@@ -155,14 +156,21 @@ def _has_images(endpoint: str, body: dict) -> bool:
 
 
 def _exact(endpoint: str, prompt: str | list[int], body: dict) -> ExactPrompt | None:
-    """What the KV index hashes (router/kv_index.py): a token-id prompt, its cache salt (both salts given and
-    different: joined, as service.request_options does) and the adapter it names; None for a text prompt."""
+    """What the KV index hashes (router/kv_index.py): a token-id prompt, its cache salt and the adapter it
+    names; None for a text prompt (router/prompt_ids.py tokenizes those when it can)."""
     if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], int):
         return None
+    return ExactPrompt(prompt, *cache_keys(endpoint, body))
+
+
+def cache_keys(endpoint: str, body: dict) -> tuple[str, str]:
+    """(cache salt, adapter) of a validated body, as the worker's namespace takes them: `extra_key` and
+    `cache_salt` (both given and different: joined, as service.request_options does), the adapter by `lora_path`
+    (/generate) or `model` (the worker uses it only when it holds that adapter: router/kv_index.py)."""
     salts = [s for s in (body.get("extra_key"), body.get("cache_salt")) if isinstance(s, str)]
     salt = "" if not salts else salts[0] if len(set(salts)) == 1 else "\x1f".join(salts)
     adapter = body.get("lora_path" if endpoint == "/generate" else "model")
-    return ExactPrompt(prompt, salt, adapter if isinstance(adapter, str) else "")
+    return salt, adapter if isinstance(adapter, str) else ""
 
 
 def _prompt_of(m: Any, body: dict) -> str | list[int]:

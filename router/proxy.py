@@ -55,6 +55,7 @@ from router.kv_index import ExactPrompt, KVIndex, cached_tokens_of
 from router.metrics import RouterMetrics
 from router.migration import StreamLedger, migratable, with_token_ids
 from router.policies import LeastLoad, Policy
+from router.prompt_ids import PromptTokenizer
 from router.protocol import (
     ProxyRequest,
     error_body,
@@ -232,10 +233,12 @@ class Proxy:
         self.local_prefill_queue_tokens = local_prefill_queue_tokens
         self._background: set[asyncio.Task] = set()
         self.kv_index: KVIndex | None = None  # set with --kv-events auto: prefills' reported cached tokens go there
+        self.prompt_ids: PromptTokenizer | None = None  # set with it for cache_aware: text and chat prompts' ids
 
     # ---- public API -------------------------------------------------------------------------------
     async def unary(self, req: ProxyRequest, disconnected: Disconnected | None = None) -> tuple[int, bytes]:
         """Run a non-streaming request: decode's (status, JSON bytes). Raises ProxyError/ClientGone."""
+        req = await self.with_prompt_ids(req)
         return await self._with_retries(req, lambda w, tp: self._attempt_unary(req, w, tp, disconnected))
 
     async def stream(
@@ -243,10 +246,18 @@ class Proxy:
     ) -> AsyncIterator[bytes]:
         """Start a streaming request; returns the SSE byte iterator once decode's first event arrived."""
         t0 = time.monotonic()
+        req = await self.with_prompt_ids(req)
         if migratable(req, self.migration_limit):
             req = with_token_ids(req)
         start, w = await self._with_retries(req, lambda w, tp: self._attempt_stream(req, w, tp, disconnected))
         return self._relay(req, start, w, t0)
+
+    async def with_prompt_ids(self, req: ProxyRequest) -> ProxyRequest:
+        """`req` with the token ids of its text or chat prompt when the KV index can score them
+        (router/prompt_ids.py: PromptTokenizer.with_ids)."""
+        if self.prompt_ids is None or not self.prompt_ids.ready or req.exact is not None:
+            return req
+        return await self.prompt_ids.with_ids(req, self.kv_index)
 
     # ---- pairing and retries ------------------------------------------------------------------------
     async def _pick(

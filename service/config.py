@@ -284,8 +284,10 @@ def server_config_from_args(ns: argparse.Namespace, role: str) -> ServerConfig:
     files, the ipc dir from PDSERVE_IPC_DIR. ValueError (naming the flag) from each config's validation."""
     device = resolve_device(ns.device)
     default_tokens = CPU_DEFAULT_TOKENS if device == "cpu" else EngineConfig.max_total_tokens
-    eng = build(EngineConfig, ns, device=device,
-                dtype=ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32"),
+    dtype = ns.dtype if ns.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    if getattr(ns, "kv_cache_dtype", "auto") == "fp8_e4m3":  # the same memory holds 2x (bf16) / 4x (fp32) the tokens
+        default_tokens *= 4 if dtype == "float32" else 2
+    eng = build(EngineConfig, ns, device=device, dtype=dtype,
                 max_total_tokens=getattr(ns, "max_total_tokens", None) or default_tokens,
                 lora_paths=tuple(getattr(ns, "lora_paths", ())), spec=build(SpecConfig, ns))
     pd = PDConfig()

@@ -381,7 +381,8 @@ def _info_routes(app: FastAPI, state: FrontendState) -> None:
         lim = state.limits()
         return JSONResponse({
             **state.bridge.info, "role": state.config.role, "served_model_name": state.served_name(),
-            "model_path": state.model_dir, "context_length": lim.context_length,
+            "model_path": state.model_dir, "tokenizer_path": state.tokenizer.path,
+            "context_length": lim.context_length,
             "worker_pid": state.worker_pid, "worker_alive": state.bridge.alive,
             "ready": state.bridge.ready.is_set(), "draining": state.draining, "in_flight": state.in_flight,
             "uptime_s": round(time.time() - state.started, 3),

@@ -11,6 +11,7 @@ import torch
 
 from common.metrics import Histogram
 from engine.distributed.tp import SINGLE, TPGroup
+from engine.distributed.tp_state import gather_state, rank_specs, scatter_state, whole_spec
 from engine.extras.speculative.config import spec_compat
 from engine.forward.model_runner import ModelRunner
 from engine.kvcache.kv_manager import KVManager
@@ -31,11 +32,17 @@ def compat_info(runner: ModelRunner) -> CompatInfo:
     mc = runner.model_cfg
     states = getattr(runner, "states", None)
     return CompatInfo(model=mc.model_type + f":{mc.num_layers}x{mc.hidden_size}:{mc.vocab_size}",
-                      dtype=runner.cfg.dtype, page_size=runner.page_size,
+                      dtype=runner.cfg.dtype, kv_cache_dtype=_kv_cache_dtype(runner.cfg), page_size=runner.page_size,
                       num_layers=mc.num_kv_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                       window=mc.max_window, tp=_tp(runner).size, **spec_compat(getattr(runner.cfg, "spec", None)),
-                      state_layout="" if states is None else f"{states.slot_bytes}B:{states.spec.describe()}",
+                      state_layout="" if states is None else _state_layout(runner),
                       **_layout(mc))
+
+
+def _kv_cache_dtype(cfg: object) -> str:
+    """What the KV pages store (CompatInfo.kv_cache_dtype): fp8_e4m3, or the model dtype (--kv-cache-dtype auto)."""
+    kv = getattr(cfg, "kv_cache_dtype", "auto")
+    return cfg.dtype if kv == "auto" else kv  # type: ignore[attr-defined]
 
 
 IMAGE_LAYOUT = "image_rows:[pages,1+deepstack,page_size,hidden]"
@@ -51,36 +58,75 @@ def image_compat(mc: object, dtype: str, page_rows: int) -> CompatInfo:
 
 
 class StateWire:
-    """How a hybrid model's recurrent state rides the KV transfer: the prompt's final state (one slot,
-    `slot_bytes`) follows its last KV page as `pages` extra wire pages in the same room. The prefill
-    appends them to its last chunk (`with_state`); the decode reserves that many landing pages of its
-    own pool after the prompt's (`landing` ... `land`), copies the bytes into the request's slot once the
-    room succeeds and frees them. Nothing changes in the transfer layer: they are pages to it."""
+    """How a hybrid model's recurrent state rides the KV transfer: the prompt's final state follows its
+    last KV page as `pages` extra wire pages in the same room, in the TP-independent layout (every part
+    whole: a TP 1 slot, `whole_bytes`; engine/distributed/tp_state.py), so any prefill TP serves any
+    decode TP. The prefill gathers it from its ranks and appends it to its last chunk (`with_state`); the
+    decode reserves that many landing pages of its own pool after the prompt's, and once the room
+    succeeds (`land`) every rank's slot takes its rows of it and the pages are freed. A TP > 1 decode
+    receives into staging: `keep` takes the landing pages' rows out of what landed (they are not KV
+    heads to scatter) until `land` or `drop`. The transfer layer sees pages only."""
 
     def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
         self.states = getattr(runner, "states", None)
-        if self.states is not None and _tp(runner).size > 1:
-            raise ValueError(f"{runner.model_cfg.model_type} has recurrent layers: prefill/decode with --tp > 1 is not "
-                             "supported for it yet (each rank holds part of the state; serve it colocated with --tp, "
-                             "or PD with --tp 1 on both sides)")
+        self.pages = 0
+        if self.states is None:
+            return
+        rank_specs(runner)  # every row of the state is some rank's (else a ValueError at start-up)
+        self.whole_bytes = whole_spec(runner).layout()[1]
+        self.page_bytes = compat_info(runner).page_bytes  # the wire page: all KV heads (a TP > 1 rank 0 holds fewer)
         self.page_view = runner.pool.buffer.view(runner.pool.buffer.shape[0], -1).view(torch.uint8)
-        page_bytes = self.page_view.shape[1]
-        self.pages = 0 if self.states is None else -(-self.states.slot_bytes // page_bytes)
+        self.pages = -(-self.whole_bytes // self.page_bytes)
+        self.staged = scatters_kv(runner)  # a TP > 1 decode receives into staging, not into its pool
+        self._rx: dict[int, torch.Tensor] = {}  # staged decode: landing page -> its wire row (uint8 [page_bytes])
 
     def with_state(self, r: Req, pages: list[int], data: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
-        """The last chunk's source pages and wire rows with r's state appended (unchanged without a state)."""
+        """The last chunk's source pages and wire rows (uint8 [n, page_bytes]; None: the pool's own pages,
+        TP 1) with r's whole state appended as `pages` rows (unchanged without a state)."""
         if not self.pages:
             return pages, data
-        rows = self.page_view.new_zeros(self.pages, self.page_view.shape[1])
-        rows.view(-1)[: self.states.slot_bytes] = self.states.buffer[r.kv.state_slot]  # type: ignore[union-attr]
-        idx = torch.tensor(pages, dtype=torch.long, device=self.page_view.device)
-        head = data if data is not None else self.page_view[idx]
-        return pages + [0] * self.pages, torch.cat([head.to(rows.device), rows])
+        rows = self.page_view.new_zeros(self.pages, self.page_bytes)  # [pages, wire page_bytes]
+        rows.view(-1)[: self.whole_bytes] = gather_state(self.runner, r.kv.state_slot).to(rows.device)
+        if data is None and pages:  # TP 1: the pool's pages are wire pages
+            data = self.page_view[torch.tensor(pages, dtype=torch.long, device=self.page_view.device)]
+        head = data.to(rows.device) if data is not None else rows[:0]
+        return pages + [0] * self.pages, torch.cat([head, rows])
+
+    def keep(self, landing: list[int] | None, pages: list[int], data: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """A staged decode's landed message (dst pages, uint8 [n, page_bytes]): the rows of the room's
+        `landing` pages are kept for `land`; returns the rest (KV pages to scatter to the ranks)."""
+        if not landing or not self.pages:
+            return pages, data
+        mine = set(landing)
+        rest = [i for i, p in enumerate(pages) if p not in mine]
+        for i, p in enumerate(pages):
+            if p in mine:
+                self._rx[p] = data[i].clone()
+        idx = torch.tensor(rest, dtype=torch.long, device=data.device)
+        return [pages[i] for i in rest], data.index_select(0, idx)
 
     def land(self, r: Req, landing: list[int]) -> None:
-        """The room succeeded: r's slot takes the state from its landing pages, which are freed by the caller."""
-        flat = self.page_view[torch.tensor(landing, dtype=torch.long, device=self.page_view.device)].reshape(-1)
-        self.states.load(r.kv.state_slot, flat[: self.states.slot_bytes])  # type: ignore[union-attr]
+        """The room succeeded: every rank's slot r.kv.state_slot takes its rows of the whole state in the
+        landing pages (the pool's, or kept from staging); the caller frees the pages."""
+        if self.staged:
+            if not all(p in self._rx for p in landing):
+                raise ValueError(f"rid {r.rid}: the state's landing pages {landing} never landed")
+            flat = torch.cat([self._rx.pop(p) for p in landing])
+        else:
+            flat = self.page_view[torch.tensor(landing, dtype=torch.long, device=self.page_view.device)].reshape(-1)
+        scatter_state(self.runner, r.kv.state_slot, flat[: self.whole_bytes])
+
+    def drop(self, landing: list[int]) -> None:
+        """A room ended without landing: forget what was kept of its landing pages."""
+        for p in landing:
+            self._rx.pop(p, None)
+
+
+def _state_layout(runner: ModelRunner) -> str:
+    """The wire's state layout (every part whole, whatever this side's TP): its bytes and parts."""
+    whole = whole_spec(runner)
+    return f"whole:{whole.layout()[1]}B:{whole.describe()}"
 
 
 def _layout(mc: object) -> dict:

@@ -34,9 +34,10 @@ def integration_helpers() -> None:
 
 
 @contextlib.contextmanager
-def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[dict]:
+def router_stack(model: Path, prefill_args: tuple[str, ...] = (), decodes: int = 1) -> Iterator[dict]:
     """Real processes on `model`: a colocated service ("colo"), a prefill ("pre", with `prefill_args`), a
-    decode ("dec") and the router over the PD pair ("router"), all healthy; stopped on exit."""
+    decode ("dec"; `decodes` 2: a second one, "dec2") and the router over them ("router"), all healthy;
+    stopped on exit."""
     integration_helpers()
     from pd_harness import start_service  # tests/integration's: real service processes
     from router_harness import start_router
@@ -46,10 +47,13 @@ def router_stack(model: Path, prefill_args: tuple[str, ...] = ()) -> Iterator[di
     try:
         procs["colo"], _ = start_service("colocated", "--model", str(model), "--page-size", "8")
         procs["pre"], _ = start_service("prefill", *common, *prefill_args, "--bootstrap-timeout", "300")
-        procs["dec"], _ = start_service("decode", *common, "--waiting-timeout", "300")
+        names = ["dec", "dec2"][:decodes]
+        for name in names:
+            procs[name], _ = start_service("decode", *common, "--waiting-timeout", "300")
         for p in procs.values():
             p.wait_healthy(300)
-        procs["router"] = start_router(["--prefill", procs["pre"].url, "--decode", procs["dec"].url])
+        procs["router"] = start_router(["--prefill", procs["pre"].url,
+                                        *[a for name in names for a in ("--decode", procs[name].url)]])
         procs["router"].wait_healthy(60)
         yield procs
     finally:
@@ -152,13 +156,15 @@ class PDPair:
     def __init__(self, cfg: EngineConfig, backend: str = "fake", decode_cfg: EngineConfig | None = None,
                  local_threshold: int = 0, local_max_queued: int = 0, local_max_running: int = 0,
                  decode_cache: bool = False,
-                 heartbeat_s: float = 0.5) -> None:
+                 heartbeat_s: float = 0.5, runners: tuple | None = None) -> None:
         """`decode_cache`: the decode keeps its own prefix cache (decode-side reuse), as
         `pdserve decode` does unless --disable-prefix-cache. One thread steps both roles: a forward
-        longer than 3 heartbeats (a real model) needs a larger `heartbeat_s`."""
+        longer than 3 heartbeats (a real model) needs a larger `heartbeat_s`. `runners`: (prefill's,
+        decode's) built by the caller (a TP group's rank 0: tests/tp_spawn.py), else ModelRunners."""
         pd = PDConfig(bootstrap_port=0, transfer_backend=backend, heartbeat_interval_s=heartbeat_s)
         dcfg = decode_cfg or cfg
-        p_runner, d_runner = ModelRunner(cfg), ModelRunner(decode_engine_config(dcfg))  # as run_decode_worker
+        # the decode as run_decode_worker builds it
+        p_runner, d_runner = runners or (ModelRunner(cfg), ModelRunner(decode_engine_config(dcfg)))
         self.p_kv, self.d_kv = kv_manager(p_runner, cfg.prefix_cache), kv_manager(d_runner, decode_cache)
         self.p_mgr = make_transfer_manager(ServerConfig(role="prefill", engine=cfg, pd=pd), p_runner, "prefill")
         self.d_mgr = make_transfer_manager(ServerConfig(role="decode", engine=dcfg, pd=pd), d_runner, "decode")

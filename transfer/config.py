@@ -74,6 +74,10 @@ class CompatInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # what the KV pages store: the model dtype's name, or "fp8_e4m3" (--kv-cache-dtype: float8 codes and a float32
+    # scale per row, D + 4 bytes a row: engine/kv_fp8.py); "" = as `dtype`. Compared: a decode whose KV dtype
+    # differs from its prefill's is refused with 412 naming this field
+    kv_cache_dtype: str = ""
     window: int = 0  # tokens the widest layer looks back (sliding window); 0 = full attention.
     # The prefill sends, and the decode reserves, only the pages of the prompt's last window.
     tp: int = 1  # this side's tensor parallel size (servable: not compared)
@@ -104,9 +108,14 @@ class CompatInfo:
         itemsize = _ITEMSIZE[self.dtype]
         if self.image_rows:  # a page of image-embedding rows
             return self.num_layers * self.page_size * self.image_rows * itemsize
+        fp8 = self.kv_cache_dtype == "fp8_e4m3"  # one byte a value, then a 4-byte scale per row
+
+        def row(values: int) -> int:
+            return values + 4 if fp8 else values * itemsize
+
         if self.kv_lora_rank:  # a latent page
-            return self.num_layers * self.page_size * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
+            return self.num_layers * self.page_size * row(self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * row(self.head_dim)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,7 +135,8 @@ class CompatInfo:
                 continue
             theirs = other.get(name)
             if theirs != value:
-                return f"KV compatibility mismatch on field {name!r}: prefill={value!r} decode={theirs!r}"
+                what = " (the KV cache dtype, --kv-cache-dtype)" if name == "kv_cache_dtype" else ""
+                return f"KV compatibility mismatch on field {name!r}{what}: prefill={value!r} decode={theirs!r}"
         extra = sorted(set(other) - set(mine))
         if extra:
             return f"KV compatibility mismatch: unknown fields {extra}"

@@ -74,3 +74,10 @@ def build_metadata(
         max_q_len=max(q_lens, default=0),
     )
 
+
+def triton_kernels(backend: str, device: torch.device | str) -> bool:
+    """Whether a model's own Triton kernels run (fused MoE, the MLA decode kernel, LoRA's slot stacks and
+    SGMV, the recurrent layers' decode steps): always on CUDA, and wherever the attention backend is
+    "triton" (on CPU tensors that is Triton's interpreter, TRITON_INTERPRET=1: how CI runs these paths).
+    Every other case takes the torch/CPU forms."""
+    return torch.device(device).type == "cuda" or backend == "triton"

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import kv_fp8
+
 
 def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: torch.Tensor, layer: int,
                      page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -25,7 +27,8 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: to
 
     q_latent    [T, H, kv_lora_rank]   q_nope projected into latent space by W_UK (per head)
     q_pe        [T, H, rope_dim]        rotated rope part of the query
-    latent_pool [pages, layers, page_size, kv_lora_rank + rope_dim]   (c_kv | k_pe per token)
+    latent_pool [pages, layers, page_size, kv_lora_rank + rope_dim]   (c_kv | k_pe per token; FP8: uint8
+                rows with 4 more bytes, the row's scale: engine/kv_fp8.py)
     layer       int, the layer of latent_pool to read
     page_table  [B, max_pages] int32, 0-padded; token i of sequence b at (page_table[b, i // ps], i % ps)
     seq_lens    [B] int32, >= 1, cached tokens including the new one
@@ -37,7 +40,8 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: to
     lmax = int(seq_lens.max().item()) if t else 0
     npages = max(1, (lmax + ps - 1) // ps)
     ids = page_table[:, :npages].reshape(-1).long()  # [B * npages]
-    kv = latent_pool[:, layer].index_select(0, ids).view(t, npages * ps, -1).float()  # [B, S, R + Dr]
+    rows = latent_pool[:, layer].index_select(0, ids).view(t, npages * ps, -1)
+    kv = kv_fp8.dequantize(rows, torch.float32)  # [B, S, R + Dr] (FP8 rows: codes x their scale)
     c_kv, k_pe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
     scores = torch.einsum("bhr,bsr->bhs", q_latent.float(), c_kv)
     scores += torch.einsum("bhd,bsd->bhs", q_pe.float(), k_pe)

@@ -18,6 +18,10 @@ Widths that are not a power of two are padded and masked; page ids are widened t
 scale a stride. fp32 inputs use IEEE dots (no TF32); fp16/bf16 accumulate in fp32. UPCAST (CPU tensors,
 i.e. TRITON_INTERPRET=1) converts operands to fp32 before the dots: the interpreter's `tl.dot` mishandles
 bf16.
+
+FP8 latent pool (`--kv-cache-dtype fp8_e4m3`, engine/kv_fp8.py: uint8 rows [R + Dr codes | float32 scale]):
+KV_FP8 loads the codes as bytes, bitcasts them to float8e4nv and scales each token's row in registers
+(scale_ptr: the float32 scales [pages, page_size]), then the dots run in q's dtype as before.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine import kv_fp8
 from engine.attention.triton_kernels import LOG2E, NEG_BIG, _softmax_step
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,12 +47,13 @@ def mla_decode_stage1_kernel(
     stride_qlt, stride_qlh, stride_qld,
     stride_qpt, stride_qph, stride_qpd,
     stride_pp, stride_ps, stride_pd,  # latent_pool[:, layer]: [pages, page_size, R + Dr]
+    scale_ptr, stride_sp, stride_ss,  # KV_FP8: the rows' float32 scales [pages, page_size]
     stride_pt,
     stride_mb, stride_mh, stride_ms,  # mid: [B, H, NUM_SPLITS, R] (or out with stride_ms = 0)
     stride_lb, stride_lh,  # lse: [B, H, NUM_SPLITS]
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     hblk = tl.program_id(1)
@@ -85,11 +91,16 @@ def mla_decode_stage1_kernel(
         offs_n = start + offs_n0
         n_mask = offs_n < hi
         page = tl.load(page_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        row = pool_ptr + page * stride_pp + (offs_n % PAGE_SIZE).to(tl.int64) * stride_ps  # [BLOCK_N]
+        slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        row = pool_ptr + page * stride_pp + slot * stride_ps  # [BLOCK_N]
         c_kv = tl.load(row[:, None] + offs_r[None, :] * stride_pd,
                        mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
         k_pe = tl.load(row[:, None] + (RANK + offs_e[None, :]) * stride_pd,
                        mask=n_mask[:, None] & e_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_PE]
+        if KV_FP8:  # uint8 codes -> float8e4nv -> fp32 x the token's scale, then q's dtype
+            sc = tl.load(scale_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)[:, None]
+            c_kv = (c_kv.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(q_lat.dtype)
+            k_pe = (k_pe.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(q_pe.dtype)
         if UPCAST:
             c_kv = c_kv.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -152,7 +163,12 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: t
     out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     if t == 0:
         return out
-    pool = latent_pool[:, layer]  # [pages, page_size, R + Dr]
+    pool = latent_pool[:, layer]  # [pages, page_size, R + Dr] (FP8: uint8 [..., R + Dr + 4])
+    fp8 = kv_fp8.is_fp8(pool)
+    scales = (pool, 0, 0)  # unused without FP8
+    if fp8:
+        sc = kv_fp8.split(pool)[1]
+        pool, scales = pool[..., : r + rope], (sc, *sc.stride())
     upcast = q_latent.device.type == "cpu" and q_latent.dtype != torch.float32
     precision = "ieee" if q_latent.dtype == torch.float32 or upcast else "tf32"
     block_r = max(16, triton.next_power_of_2(r))
@@ -171,10 +187,10 @@ def mla_decode_triton(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: t
         sm, sl = (mid.stride(0), mid.stride(1), mid.stride(2)), (lse.stride(0), lse.stride(1))
     mla_decode_stage1_kernel[(t, triton.cdiv(h, BLOCK_H), splits)](
         q_latent, q_pe, pool, page_table, seq_lens, mid, lse, scale * LOG2E, h,
-        *q_latent.stride(), *q_pe.stride(), *pool.stride(), page_table.stride(0), *sm, *sl,
+        *q_latent.stride(), *q_pe.stride(), *pool.stride(), *scales, page_table.stride(0), *sm, *sl,
         RANK=r, ROPE=rope, PAGE_SIZE=pool.shape[1], BLOCK_H=BLOCK_H, BLOCK_N=block_n, BLOCK_R=block_r,
         BLOCK_PE=max(16, triton.next_power_of_2(rope)), NUM_SPLITS=splits, DOT_PRECISION=precision,
-        UPCAST=upcast, num_warps=8 if block_r >= 256 else 4, num_stages=2,  # 8 warps: no spills at 512
+        UPCAST=upcast, KV_FP8=fp8, num_warps=8 if block_r >= 256 else 4, num_stages=2,  # 8 warps: no spills at 512
     )
     if splits > 1:
         mla_merge_kernel[(t, h)](
@@ -191,15 +207,15 @@ def _check(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_pool: torch.Tensor
                          f"{tuple(q_pe.shape)}")
     if q_latent.shape[2] != kv_lora_rank:
         raise ValueError(f"q_latent width {q_latent.shape[2]} != kv_lora_rank {kv_lora_rank}")
-    if latent_pool.dim() != 4 or latent_pool.shape[3] != kv_lora_rank + q_pe.shape[2]:
+    if latent_pool.dim() != 4 or kv_fp8.row_dim(latent_pool) != kv_lora_rank + q_pe.shape[2]:
         raise ValueError(f"latent_pool [pages, layers, page_size, {kv_lora_rank} + {q_pe.shape[2]}] expected, "
                          f"got {tuple(latent_pool.shape)}")
     if not 0 <= layer < latent_pool.shape[1]:
         raise ValueError(f"layer {layer} out of range for {latent_pool.shape[1]} layers")
     dt = q_latent.dtype
-    if dt not in _SUPPORTED or q_pe.dtype != dt or latent_pool.dtype != dt:
-        raise ValueError(f"q_latent/q_pe/latent_pool dtypes must match and be fp32/fp16/bf16, got {dt}, "
-                         f"{q_pe.dtype}, {latent_pool.dtype}")
+    if dt not in _SUPPORTED or q_pe.dtype != dt or latent_pool.dtype not in (dt, torch.uint8):
+        raise ValueError(f"q_latent/q_pe/latent_pool dtypes must match and be fp32/fp16/bf16 (or FP8 rows, uint8), "
+                         f"got {dt}, {q_pe.dtype}, {latent_pool.dtype}")
     if page_table.dim() != 2 or seq_lens.shape != (q_latent.shape[0],) or page_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"page_table [B, max_pages] and seq_lens [B] with B = T = {q_latent.shape[0]} expected, "
                          f"got {tuple(page_table.shape)}, {tuple(seq_lens.shape)}")

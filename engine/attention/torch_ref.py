@@ -1,15 +1,21 @@
-"""Reference attention over the paged KV pool in plain torch (CPU default, oracle for kernels)."""
+"""Reference attention over the paged KV pool in plain torch (CPU default, oracle for kernels).
+
+FP8 KV pages (uint8 rows of codes + scale, engine/kv_fp8.py) are gathered as bytes and dequantized to
+q's dtype just before SDPA: every step upcasts the keys and values it reads (measured in
+docs/architecture.md, "KV cache layout")."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine import kv_fp8
 from engine.attention.base import AttentionMetadata
 
 
 def gather_kv(pages: torch.Tensor, page_ids: torch.Tensor, n: int) -> torch.Tensor:
-    """pages [P, ps, H, D], page_ids [npages] -> the first n cached tokens [n, H, D]."""
+    """pages [P, ps, H, D], page_ids [npages] -> the first n cached tokens [n, H, D] (FP8 pages: their
+    packed rows [n, H, D + 4]; kv_fp8.dequantize)."""
     ps = pages.shape[1]
     need = (n + ps - 1) // ps
     # index_select, not pages[ids]: on the pool's strided per-layer view advanced indexing is ~5x slower
@@ -58,8 +64,9 @@ class TorchAttention:
             # 4-D [1, H, len, D] views: with 3-D inputs SDPA falls back to its math path (about 3x
             # slower on CPU for a 512-token prefill); 4-D ones take the flash kernel, mask or not
             qb = q[start : start + q_len].unsqueeze(0).transpose(1, 2)  # [1, Hq, q_len, D]
-            k = gather_kv(k_pages, meta.page_table[b], seq_len).unsqueeze(0).transpose(1, 2)  # [1, Hkv, S, D]
-            v = gather_kv(v_pages, meta.page_table[b], seq_len).unsqueeze(0).transpose(1, 2)
+            k = kv_fp8.dequantize(gather_kv(k_pages, meta.page_table[b], seq_len), q.dtype)
+            v = kv_fp8.dequantize(gather_kv(v_pages, meta.page_table[b], seq_len), q.dtype)
+            k, v = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)  # [1, Hkv, S, D]
             if q_len == 1 and not window:
                 o = F.scaled_dot_product_attention(qb, k, v, scale=meta.scale, enable_gqa=group > 1)
             else:
@@ -77,8 +84,12 @@ class TorchAttention:
         npages = (meta.max_seq_len + ps - 1) // ps
         ids = meta.page_table[:, :npages].reshape(-1).long()  # [B * npages]
         s = npages * ps
-        k = k_pages.index_select(0, ids).view(b, s, hkv, d).transpose(1, 2)  # [B, Hkv, S, D]
-        v = v_pages.index_select(0, ids).view(b, s, hkv, d).transpose(1, 2)
+        row = k_pages.shape[3]  # D, or FP8's D + 4 bytes
+        k = k_pages.index_select(0, ids).view(b, s, hkv, row)
+        v = v_pages.index_select(0, ids).view(b, s, hkv, row)
+        if kv_fp8.is_fp8(k):
+            k, v = kv_fp8.dequantize(k, q.dtype), kv_fp8.dequantize(v, q.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, S, D]
         pos = torch.arange(s, device=q.device)[None, :]
         mask = pos < meta.seq_lens[:, None]  # [B, S]
         if window:

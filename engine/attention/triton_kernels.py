@@ -24,6 +24,11 @@ that are not a power of two are padded to BLOCK_D and masked. Scores use exp2 wi
 into log2(e). fp32 inputs use IEEE dot products (no TF32) so results match the torch reference.
 UPCAST (set for CPU tensors, i.e. under TRITON_INTERPRET=1) converts q/k/v to fp32 before the dots:
 the interpreter's `tl.dot` mishandles bf16 operands (numpy has no bf16).
+
+KV_FP8 (`--kv-cache-dtype fp8_e4m3`, engine/kv_fp8.py): k_ptr/v_ptr point at the uint8 codes of the
+packed rows and ks_ptr/vs_ptr at their float32 scales (one per token and KV head, their own strides);
+a block is loaded as bytes, bitcast to float8e4nv, widened and scaled in registers, then converted to
+q's dtype for the dots: the pool is never dequantized in memory. Without it ks_ptr/vs_ptr are unused.
 """
 
 from __future__ import annotations
@@ -42,14 +47,24 @@ def _load_kv_block(
     ptr, page_row_ptr, offs_n, n_mask, kvh, offs_d, d_mask,
     stride_p, stride_s, stride_h, stride_d, PAGE_SIZE: tl.constexpr,
 ):
-    """Gather keys (or values) at cache positions offs_n -> [BLOCK_N, BLOCK_D]."""
+    """Gather keys (or values) at cache positions offs_n -> [BLOCK_N, BLOCK_D] as stored (FP8: uint8 codes)."""
     page = tl.load(page_row_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = (offs_n % PAGE_SIZE).to(tl.int64)
     addr = (
         ptr + page[:, None] * stride_p + slot[:, None] * stride_s + kvh * stride_h
         + offs_d[None, :] * stride_d
     )
-    return tl.load(addr, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    return tl.load(addr, mask=n_mask[:, None] & d_mask[None, :], other=0)
+
+
+@triton.jit
+def _load_row_scale(
+    scale_ptr, page_row_ptr, offs_n, n_mask, kvh, stride_sp, stride_ss, stride_sh, PAGE_SIZE: tl.constexpr,
+):
+    """KV_FP8: the float32 scales of the rows at cache positions offs_n -> [BLOCK_N] (0 outside n_mask)."""
+    page = tl.load(page_row_ptr + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = (offs_n % PAGE_SIZE).to(tl.int64)
+    return tl.load(scale_ptr + page * stride_sp + slot * stride_ss + kvh * stride_sh, mask=n_mask, other=0.0)
 
 
 @triton.jit
@@ -61,11 +76,20 @@ def _softmax_step(s, v, acc, m_i, l_i, visible, DOT_PRECISION: tl.constexpr):
     extend's queries); v [BLOCK_N, Dv]: the block's values; visible [R or 1, BLOCK_N]: the keys each row
     may see; acc [R, Dv], m_i and l_i [R]: running output, max and sum -> the updated (acc, m_i, l_i).
     A row that has seen no key yet adds nothing (its max is still NEG_BIG)."""
+    return _softmax_step_scaled(s, v, acc, m_i, l_i, visible, 1.0, DOT_PRECISION, False)
+
+
+@triton.jit
+def _softmax_step_scaled(s, v, acc, m_i, l_i, visible, v_scale, DOT_PRECISION: tl.constexpr, V_SCALED: tl.constexpr):
+    """`_softmax_step` with each value row scaled (V_SCALED: v_scale [BLOCK_N], FP8 rows' scales): the
+    probabilities are scaled per key before P.V, equal to dequantizing v first (one multiply per key)."""
     s = tl.where(visible, s, NEG_BIG)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if V_SCALED:
+        p = p * v_scale[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -74,19 +98,31 @@ def _softmax_step(s, v, acc, m_i, l_i, visible, DOT_PRECISION: tl.constexpr):
 def _attend_block(
     q, acc, m_i, l_i, visible, k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """The paged kernels' step over keys and values at cache positions offs_n [BLOCK_N] (n_mask: inside
-    the loop's range): gather both from the pool, score q [R, BLOCK_D], then `_softmax_step`."""
+    the loop's range): gather both from the pool, score q [R, BLOCK_D], then `_softmax_step`.
+    KV_FP8: the codes widen exactly to q's dtype (e4m3 fits bf16/fp16/fp32) and the rows' scales are
+    applied per key after the dots (scores, and the probabilities before P.V): no fp32 tile of K or V."""
     k = _load_kv_block(k_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                        stride_kp, stride_ks, stride_kh, stride_kd, PAGE_SIZE)
     v = _load_kv_block(v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
                        stride_vp, stride_vs, stride_vh, stride_vd, PAGE_SIZE)
+    if KV_FP8:
+        k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [R, BLOCK_N]
-    return _softmax_step(s, v, acc, m_i, l_i, visible, DOT_PRECISION)
+    v_scale = 1.0
+    if KV_FP8:
+        s = s * _load_row_scale(ks_ptr, page_row, offs_n, n_mask, kvh, stride_ksp, stride_kss, stride_ksh,
+                                PAGE_SIZE)[None, :]
+        v_scale = _load_row_scale(vs_ptr, page_row, offs_n, n_mask, kvh, stride_vsp, stride_vss, stride_vsh,
+                                  PAGE_SIZE)
+    return _softmax_step_scaled(s, v, acc, m_i, l_i, visible, v_scale, DOT_PRECISION, KV_FP8)
 
 
 @triton.jit
@@ -97,12 +133,14 @@ def decode_stage1_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
+    ks_ptr, vs_ptr,  # KV_FP8: float32 scales [P, page_size, Hkv] of the K and V rows
+    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     stride_pt,
     stride_mb, stride_mh, stride_ms,  # mid: [B, Hq, NUM_SPLITS, D] (or out with stride_ms = 0)
     stride_lb, stride_lh,  # lse: [B, Hq, NUM_SPLITS]
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -138,7 +176,8 @@ def decode_stage1_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, n_mask[None, :], k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-            PAGE_SIZE, DOT_PRECISION, UPCAST,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+            PAGE_SIZE, DOT_PRECISION, UPCAST, KV_FP8,
         )  # acc [BLOCK_H, BLOCK_D]
 
     has_keys = l_i > 0.0
@@ -190,10 +229,12 @@ def extend_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kp, stride_ks, stride_kh, stride_kd,
     stride_vp, stride_vs, stride_vh, stride_vd,
+    ks_ptr, vs_ptr,  # KV_FP8: float32 scales [P, page_size, Hkv] of the K and V rows
+    stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
     stride_pt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -237,7 +278,8 @@ def extend_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, visible, k_ptr, v_ptr, page_row, offs_n, n_mask, kvh, offs_d, d_mask,
             qk_scale, stride_kp, stride_ks, stride_kh, stride_kd, stride_vp, stride_vs, stride_vh, stride_vd,
-            PAGE_SIZE, DOT_PRECISION, UPCAST,
+            ks_ptr, vs_ptr, stride_ksp, stride_kss, stride_ksh, stride_vsp, stride_vss, stride_vsh,
+            PAGE_SIZE, DOT_PRECISION, UPCAST, KV_FP8,
         )  # acc [BLOCK_M, BLOCK_D]
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.attention.base import build_metadata
+from engine.attention.base import build_metadata, triton_kernels
 from engine.attention.registry import create_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cpus import cpu_budget
@@ -36,6 +36,7 @@ from engine.kvcache.memory import HostKVPool, KVPool
 from engine.models.embedded import resolve_model_path
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model
+from engine.models.moe import use_triton
 from engine.models.quant import quantized_modules
 from engine.recurrent.batch import StateBatch
 from engine.recurrent.state_pool import StatePool, StateSpec
@@ -80,12 +81,17 @@ class ModelRunner:
         self.device = torch.device(shard.device or cfg.device)
         self.dtype = DTYPES[cfg.dtype]
         extra = {} if shard.tp is None else {"tp": shard.tp}
+        # fused MoE, MLA decode, LoRA slot stacks, recurrent decode steps: Triton on CUDA or the triton backend
+        # (there the weights stay plain tensors: no oneDNN packing, which the kernels cannot read)
+        self.triton = triton_kernels(cfg.resolved_attention_backend, self.device)
         self.model = load_model(self.model_path, mc, cfg.dtype, str(self.device), max(self.context_length, 1) + 1,
-                                cfg.cpu_gemm, quantization=cfg.quantization, **extra)
+                                "torch" if self.triton else cfg.cpu_gemm, quantization=cfg.quantization, **extra)
         self.tp = self.model.tp  # engine.distributed.tp.TPGroup: only its driver (rank 0) has an LM head
         if self.context_length > mc.max_position and not mc.rope_scaling and self.tp.driver:
             log.warning("context length %d exceeds the model's %d", self.context_length, mc.max_position)
         self.backend = create_backend(cfg.resolved_attention_backend)
+        if self.triton:
+            use_triton(self.model)
         self.pool, self.host_pool = self._pools(shard, getattr(self.model, "local_kv_heads", mc.num_kv_heads))
         self.states = self._state_pool(shard)  # hybrid models' recurrent-state slots; None for attention-only models
         self.scale = mc.head_dim ** -0.5
@@ -100,9 +106,9 @@ class ModelRunner:
         mc, cfg = self.model_cfg, self.cfg
         latent = {"latent_dim": mc.mla.latent_dim} if mc.mla is not None else {}
         pool = shard.kv_pool(cfg.num_pages, mc.num_kv_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype,
-                             self.device, **latent)
-        host = shard.host_pool(cfg.num_host_pages, tuple(pool.buffer.shape[1:]), self.dtype,
-                               pin=self.device.type == "cuda")
+                             self.device, kv_cache_dtype=cfg.kv_cache_dtype, **latent)
+        host = shard.host_pool(cfg.num_host_pages, tuple(pool.buffer.shape[1:]), pool.buffer.dtype,
+                               pin=self.device.type == "cuda")  # FP8 KV: uint8 rows with their scales
         return pool, host
 
     def _state_pool(self, shard: Shard) -> StatePool | None:
@@ -159,7 +165,7 @@ class ModelRunner:
             native=getattr(self.backend, "native", None),  # the cpu backend's kernels
             lora=None if batch.adapters is None or self.lora is None else self.lora.batch(batch.adapters,
                                                                                           batch.new_lens),
-            state=self._state_batch(batch),
+            state=self._state_batch(batch), triton=self.triton,
         )
         ids = torch.tensor(batch.ids, dtype=torch.long, device=dev)  # int64 [T]
         pos = torch.tensor(batch.positions, dtype=torch.long, device=dev)  # int64 [T]
@@ -180,7 +186,7 @@ class ModelRunner:
                              f"(Segment.slot), got {batch.state_slots}")
         starts = [s - n for s, n in zip(batch.seq_lens, batch.new_lens)]
         return StateBatch(self.states, torch.tensor(batch.state_slots, dtype=torch.long, device=self.device),
-                          batch.new_lens, [s > 0 for s in starts])
+                          batch.new_lens, [s > 0 for s in starts], triton=self.triton)
 
     @torch.inference_mode()
     def _input_embeds(self, ids: torch.Tensor, embeds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -238,6 +244,7 @@ class ModelRunner:
             "tp": self.tp.size,
             "attention_backend": self.backend.name,
             "kv_bytes_per_token": self.pool.page_bytes // self.page_size,
+            "kv_cache_dtype": self.pool.kv_cache_dtype,  # fp8_e4m3, or the model dtype (--kv-cache-dtype auto)
             "state_slots": 0 if self.states is None else self.states.capacity,  # hybrid models' recurrent state
             "state_bytes_per_slot": 0 if self.states is None else self.states.slot_bytes,
             "state_snapshot_slots": 0 if self.states is None else self.states.capacity - self.cfg.state_request_slots,

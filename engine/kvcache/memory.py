@@ -6,13 +6,17 @@ contiguous block. Page 0 of the device pool is reserved and never handed out, so
 zero in a padded page table is harmless. A request's tokens live in its own list of pages
 (`Req.pages`), token i at slot (pages[i // page_size], i % page_size): that list is the
 request -> token table.
+
+`--kv-cache-dtype fp8_e4m3`: the pool is uint8 and each row (a token's K or V of one head, an MLA latent)
+is stored as its float8_e4m3fn codes followed by its float32 scale (engine/kv_fp8.py), so the last dim
+is D + 4 bytes; writes quantize, the layer views hand the attention backends these packed rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine import hugepages
+from engine import hugepages, kv_fp8
 
 
 class PageAllocator:
@@ -72,38 +76,59 @@ def pages_for(tokens: int, page_size: int) -> int:
 class KVPool:
     """The device KV cache plus its allocator. With `latent_dim` > 0 (MLA, DeepSeek) it is a latent pool:
     buffer [P, L, ps, latent_dim] (kv_lora_rank + rope_dim: one vector per token and layer, one "head",
-    num_kv_heads and head_dim unused); allocator, page copies and host offload are the same."""
+    num_kv_heads and head_dim unused); allocator, page copies and host offload are the same.
+
+    kv_cache_dtype "fp8_e4m3": the buffer is uint8 and every row is D + 4 bytes (codes, then the float32
+    scale; engine/kv_fp8.py): [P, L, 2, ps, Hkv, D + 4] or latent [P, L, ps, latent_dim + 4]. `dtype` stays
+    the model's (what a read dequantizes to); `buffer.dtype` is what a page copy moves."""
 
     def __init__(self, num_pages: int, num_layers: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device, latent_dim: int = 0) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device, latent_dim: int = 0,
+                 kv_cache_dtype: str = "auto") -> None:
+        if kv_cache_dtype not in kv_fp8.KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {kv_fp8.KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.page_size = page_size
         self.num_layers = num_layers
         self.latent_dim = latent_dim
-        # [P, L, 2, ps, Hkv, D], or latent [P, L, ps, latent_dim]
-        shape = (num_pages, num_layers, page_size, latent_dim) if latent_dim else \
-            (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
-        self.buffer = hugepages.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.fp8 = kv_cache_dtype == "fp8_e4m3"
+        # "fp8_e4m3", or the model dtype's name ("float32", "bfloat16", ...) for auto
+        self.kv_cache_dtype = "fp8_e4m3" if self.fp8 else str(dtype).removeprefix("torch.")
+        row = latent_dim or head_dim
+        if self.fp8:
+            if row % 4:
+                raise ValueError(f"--kv-cache-dtype fp8_e4m3 needs a KV row size (head_dim, or MLA's kv_lora_rank + "
+                                 f"rope dim) divisible by 4, got {row}")
+            row += kv_fp8.SCALE_BYTES
+        # [P, L, 2, ps, Hkv, D], or latent [P, L, ps, latent_dim]; FP8: the last dim + 4 scale bytes, uint8
+        shape = (num_pages, num_layers, page_size, row) if latent_dim else \
+            (num_pages, num_layers, 2, page_size, num_kv_heads, row)
+        self.buffer = hugepages.zeros(shape, dtype=torch.uint8 if self.fp8 else dtype, device=device)
         self.allocator = PageAllocator(num_pages, reserved=1)
 
     def latent(self, layer: int) -> torch.Tensor:
-        """A latent pool's layer view [P, ps, latent_dim], page stride L*ps*latent_dim."""
+        """A latent pool's layer view [P, ps, latent_dim], page stride L*ps*latent_dim (FP8: uint8 rows
+        [P, ps, latent_dim + 4]; kv_fp8.dequantize turns gathered rows into values)."""
         return self.buffer[:, layer]
 
     def write_latent(self, layer: int, page_idx: torch.Tensor, offset: torch.Tensor, latent: torch.Tensor) -> None:
         """Store new tokens' latents (MLA). page_idx, offset: int64 [T]; latent: [T, latent_dim]."""
-        self.buffer[page_idx, layer, offset] = latent
+        self.buffer[page_idx, layer, offset] = kv_fp8.quantize(latent) if self.fp8 else latent
 
     @property
     def page_bytes(self) -> int:
         return self.buffer[0].numel() * self.buffer.element_size()
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V views of one layer: each [P, ps, Hkv, D], page stride L*2*ps*Hkv*D."""
+        """K and V views of one layer: each [P, ps, Hkv, D], page stride L*2*ps*Hkv*D (FP8: uint8 rows
+        [P, ps, Hkv, D + 4], which every attention backend but cpu reads; engine/attention/base.py)."""
         return self.buffer[:, layer, 0], self.buffer[:, layer, 1]
 
     def write(self, layer: int, page_idx: torch.Tensor, offset: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V. page_idx, offset: int64 [T]; k, v: [T, Hkv, D]."""
+        """Store new tokens' K/V. page_idx, offset: int64 [T]; k, v: [T, Hkv, D] (FP8: quantized per row)."""
+        if self.fp8:
+            k, v = kv_fp8.quantize(k), kv_fp8.quantize(v)
         self.buffer[page_idx, layer, 0, offset] = k
         self.buffer[page_idx, layer, 1, offset] = v
 

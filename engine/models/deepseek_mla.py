@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kv_fp8
 from engine.attention.mla import mla_decode_torch
 from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
@@ -38,9 +39,10 @@ PREFILL_FORM = "expanded"  # expanded | absorbed (benchmarks/mla.py measures bot
 EXTEND_BLOCK = 64  # queries per SDPA call of an extend: each call sees only the keys its queries can
 
 
-def _decode_fn(device: torch.device):  # noqa: ANN202
-    """The absorbed decode attention for `device`: the Triton kernel on CUDA, else torch."""
-    if device.type == "cuda":
+def _decode_fn(triton: bool):  # noqa: ANN202
+    """The absorbed decode attention: the Triton kernel where the model's Triton kernels run (CUDA, or the
+    triton attention backend: ForwardContext.triton), else torch."""
+    if triton:
         from engine.attention.mla_triton import mla_decode_triton
 
         return mla_decode_triton
@@ -127,8 +129,9 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hq, R]
         meta = ctx.meta
-        out = _decode_fn(q_nope.device)(q_lat.contiguous(), q_pe.contiguous(), ctx.pool.buffer, self.layer_id,
-                                        meta.page_table, meta.seq_lens, self.m.softmax_scale, self.m.kv_lora_rank)
+        attend = _decode_fn(ctx.triton or q_nope.device.type == "cuda")
+        out = attend(q_lat.contiguous(), q_pe.contiguous(), ctx.pool.buffer, self.layer_id,
+                     meta.page_table, meta.seq_lens, self.m.softmax_scale, self.m.kv_lora_rank)
         return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hq, V]
 
     def decode_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -140,6 +143,7 @@ class MLAAttention(nn.Module):
         npages = (meta.max_seq_len + ps - 1) // ps
         s = npages * ps
         kvl = lat.index_select(0, meta.page_table[:, :npages].reshape(-1).long()).view(b, s, -1)  # [B, S, R + R_]
+        kvl = kv_fp8.dequantize(kvl, q_nope.dtype)  # FP8 latents: codes x scale (a no-op otherwise)
         k, v = self._expand(kvl)  # [B, Hq, S, N + R_], [B, Hq, S, V]
         mask = torch.arange(s, device=q_nope.device)[None, :] < meta.seq_lens[:, None]  # [B, S]
         q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, Hq, 1, N + R_]
@@ -173,7 +177,8 @@ class MLAAttention(nn.Module):
         start = 0
         for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_list, meta.q_lens_list)):
             ids = meta.page_table[b, : (seq_len + ps - 1) // ps].long()
-            kvl = lat.index_select(0, ids).reshape(-1, m.latent_dim)[:seq_len]  # [S, R + R_]
+            kvl = lat.index_select(0, ids).reshape(-1, lat.shape[-1])[:seq_len]  # [S, R + R_] (FP8: + 4 bytes)
+            kvl = kv_fp8.dequantize(kvl, q_nope.dtype)  # FP8 latents: codes x scale (a no-op otherwise)
             qn, qp = q_nope[start : start + q_len], q_pe[start : start + q_len]  # [L, Hq, N], [L, Hq, R_]
             if form == "absorbed" or (q_len == 1 and self.absorb):  # a decode inside a mixed batch: absorbed
                 q_lat = torch.bmm(qn.transpose(0, 1), w_uk)  # [Hq, L, R]

@@ -47,6 +47,7 @@ class ForwardContext:
     native: NativeKernels | None = None  # fused rotary + KV store (the cpu attention backend's kernels)
     lora: Any = None  # engine.extras.lora.batch.LoRABatch when a segment runs under an adapter, else None
     state: Any = None  # engine.recurrent.batch.StateBatch of a hybrid model's forward (slots per segment), else None
+    triton: bool = False  # the model's own Triton kernels run (engine.attention.base.triton_kernels): MLA decode
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -145,12 +145,15 @@ class Mamba2Mixer(nn.Module):
         self.norm_shared = tp.size > spec.n_groups  # this rank holds part of one norm group
         self.conv_name, self.ssm_name = f"{layer_id}.conv", f"{layer_id}.ssm"
 
-    def state_parts(self) -> list[StatePart]:
+    def state_parts(self, tp: TPGroup | None = None) -> list[StatePart]:
         """This layer's parts of a request's state slot: the conv window [I + 2GN, K-1] in the conv weight's
-        dtype and the SSM state [H, P, N] fp32 (this rank's channels and heads)."""
-        s = self.spec
-        return [StatePart(self.conv_name, (self.conv_channels, s.conv_kernel - 1), self.conv_weight.dtype),
-                StatePart(self.ssm_name, (self.nh, s.head_dim, s.d_state), torch.float32)]
+        dtype and the SSM state [H, P, N] fp32 (this rank's channels and heads, or rank `tp`'s), each
+        naming its rows of the whole layer's (x|B|C channels, heads)."""
+        s, tp = self.spec, tp or self.tp
+        h0, nh = tp.split(s.num_heads, s.fields[0])
+        return [StatePart(self.conv_name, (self.conv_channels, s.conv_kernel - 1), self.conv_weight.dtype,
+                          xbc_runs(s, tp), s.conv_dim),
+                StatePart(self.ssm_name, (self.nh, s.head_dim, s.d_state), torch.float32, ((h0, nh),), s.num_heads)]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: ForwardContext,
                 scale: float = 1.0) -> torch.Tensor:
@@ -252,9 +255,10 @@ class HybridLM(nn.Module):
         """KV heads this rank computes and keeps in its pool (attention layers only)."""
         return self._attention().hkv
 
-    def state_spec(self) -> StateSpec:
-        """A request's recurrent state on this rank: each Mamba2 layer's conv window and SSM state."""
-        return StateSpec(tuple(p for m in self.modules() if isinstance(m, Mamba2Mixer) for p in m.state_parts()))
+    def state_spec(self, tp: TPGroup | None = None) -> StateSpec:
+        """A request's recurrent state on this rank (or on rank `tp` of its group): each Mamba2 layer's conv
+        window and SSM state."""
+        return StateSpec(tuple(p for m in self.modules() if isinstance(m, Mamba2Mixer) for p in m.state_parts(tp)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -285,16 +289,23 @@ class HybridLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
 
+def xbc_runs(spec: Mamba2Spec, tp: TPGroup) -> tuple[tuple[int, int], ...]:
+    """(first, count) runs of the whole x|B|C channels (the convolution's) that are this rank's: its heads'
+    x channels, its groups' B and C channels (a group held by several ranks when the group is larger than G)."""
+    h0, nh = tp.split(spec.num_heads, spec.fields[0])
+    g0, ng = tp.kv_heads(spec.n_groups, spec.fields[1])
+    p, n, inner, gn = spec.head_dim, spec.d_state, spec.intermediate, spec.n_groups * spec.d_state
+    return (h0 * p, nh * p), (inner + g0 * n, ng * n), (inner + gn + g0 * n, ng * n)
+
+
 def mixer_weights(ck: Checkpoint, hf: str, ours: str, spec: Mamba2Spec, tp: TPGroup) -> dict[str, torch.Tensor]:
     """A Mamba2 mixer at HF prefix `hf` (in_proj, conv1d, A_log, D, dt_bias, norm, out_proj) as Mamba2Mixer's
     parameters at `ours`, this rank's heads and groups (module docstring)."""
     h0, nh = tp.split(spec.num_heads, spec.fields[0])
-    g0, ng = tp.kv_heads(spec.n_groups, spec.fields[1])
-    p, n, inner, gn = spec.head_dim, spec.d_state, spec.intermediate, spec.n_groups * spec.d_state
+    p, inner, gn = spec.head_dim, spec.intermediate, spec.n_groups * spec.d_state
 
     def xbc(w: torch.Tensor, base: int) -> list[torch.Tensor]:  # x | B | C rows starting at row `base`
-        return [rows(w, base + h0 * p, nh * p), rows(w, base + inner + g0 * n, ng * n),
-                rows(w, base + inner + gn + g0 * n, ng * n)]
+        return [rows(w, base + first, count) for first, count in xbc_runs(spec, tp)]
 
     def in_proj(w: torch.Tensor) -> torch.Tensor:  # z | x | B | C | dt
         return cat_rows([rows(w, h0 * p, nh * p), *xbc(w, inner), rows(w, 2 * inner + 2 * gn + h0, nh)])

@@ -170,6 +170,7 @@ class SparseMoE(nn.Module):
         self.score_bias = nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.score_bias \
             else None
         self.packed: list | None = None  # per expert ((gate, up), down) oneDNN weights (pack_weights)
+        self.triton = False  # the fused Triton kernel off CUDA too (use_triton: the triton attention backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x (normed) and residual [T, H] -> residual + routed experts (+ shared expert) [T, H]."""
@@ -187,7 +188,7 @@ class SparseMoE(nn.Module):
         if w13 is not None or w2 is not None:  # experts dequantized one at a time (CPU or CUDA)
             experts_cpu(x, weights, ids, self.w13 if w13 is None else w13, self.w2 if w2 is None else w2,
                         self.inter, out=out)
-        elif x.device.type == "cuda":
+        elif self.packed is None and (self.triton or x.device.type == "cuda"):
             from engine.models.moe_triton import fused_moe
 
             out.add_(fused_moe(x, self.w13, self.w2, weights, ids, self.inter))
@@ -211,6 +212,17 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
         return 3 * len(packed)
+
+
+def use_triton(model: nn.Module) -> int:
+    """Route every SparseMoE block of `model` through the fused Triton kernel (moe_triton.py) whatever the
+    device: the runner calls it when the model's Triton kernels run (engine.attention.base.triton_kernels),
+    which off CUDA means Triton's interpreter. Blocks whose experts were packed for oneDNN keep the CPU path.
+    Returns how many blocks take the kernel."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE) and m.packed is None]
+    for m in blocks:
+        m.triton = True
+    return len(blocks)
 
 
 def pack_moe(model: nn.Module, mode: str) -> int:

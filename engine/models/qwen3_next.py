@@ -280,7 +280,7 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         spec: GDNSpec = cfg.hybrid
-        self.layer_id, self.tp = layer_id, tp
+        self.layer_id, self.tp, self.spec = layer_id, tp, spec
         self.hk = tp.split(spec.num_k_heads, "linear_num_key_heads")[1]
         self.hv = self.hk * spec.group
         self.dk, self.dv = spec.k_head_dim, spec.v_head_dim
@@ -293,12 +293,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
 
-    def state_parts(self) -> tuple[StatePart, StatePart]:
-        """This layer's parts of a request's state on this rank: conv [C, K-1] (the conv weight's dtype),
-        recurrent [hv, d_k, d_v] fp32."""
+    def state_parts(self, tp: TPGroup | None = None) -> tuple[StatePart, StatePart]:
+        """This layer's parts of a request's state on this rank (or on rank `tp`): conv [C, K-1] (the conv
+        weight's dtype), recurrent [hv, d_k, d_v] fp32, each naming its rows of the whole layer's (q|k|v
+        channels, value heads)."""
+        spec = self.spec
+        _, _, v0, nv = heads(spec, tp or self.tp)
         return (StatePart(f"{self.layer_id}.conv", (self.conv_dim, self.conv_weight.shape[1] - 1),
-                          self.conv_weight.dtype),
-                StatePart(f"{self.layer_id}.ssm", (self.hv, self.dk, self.dv), torch.float32))
+                          self.conv_weight.dtype, conv_runs(spec, tp or self.tp), conv_channels(spec)),
+                StatePart(f"{self.layer_id}.ssm", (self.hv, self.dk, self.dv), torch.float32, ((v0, nv),),
+                          spec.num_k_heads * spec.group))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, residual: torch.Tensor) -> torch.Tensor:
         """x (normed), residual [T, H] (the batch's segments packed) -> residual + out_proj(...) [T, H]
@@ -376,10 +380,11 @@ class Model(nn.Module):
         """KV heads this rank computes and keeps in its pool (attention layers only)."""
         return self._first_attention().hkv
 
-    def state_spec(self) -> StateSpec:
-        """One request's recurrent state on this rank: each Gated DeltaNet layer's conv and recurrent state."""
+    def state_spec(self, tp: TPGroup | None = None) -> StateSpec:
+        """One request's recurrent state on this rank (or on rank `tp` of its group): each Gated DeltaNet
+        layer's conv and recurrent state."""
         return StateSpec(tuple(p for i in self.cfg.hybrid.linear_layers for p in self.layers[i].linear_attn
-                               .state_parts()))
+                               .state_parts(tp)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -404,15 +409,25 @@ def heads(spec: GDNSpec, tp: TPGroup) -> tuple[int, int, int, int]:
     return k0, nk, k0 * spec.group, nk * spec.group
 
 
+def conv_channels(spec: GDNSpec) -> int:
+    """Channels of the whole layer's convolution: q|k|v of every head."""
+    return 2 * spec.num_k_heads * spec.k_head_dim + spec.num_k_heads * spec.group * spec.v_head_dim
+
+
+def conv_runs(spec: GDNSpec, tp: TPGroup) -> tuple[tuple[int, int], ...]:
+    """(first, count) runs of the whole convolution's channels (q|k|v of every head) that are this rank's:
+    its key heads' q and k channels, its value heads' v channels."""
+    k0, nk, v0, nv = heads(spec, tp)
+    dk, dv, key = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads * spec.k_head_dim
+    return (k0 * dk, nk * dk), (key + k0 * dk, nk * dk), (2 * key + v0 * dv, nv * dv)
+
+
 def conv_rows(conv: Weight, spec: GDNSpec, tp: TPGroup) -> torch.Tensor:
     """conv1d.weight [C, 1, K] (channels q|k|v of every head) -> this rank's channels [C_rank, K]."""
     if not isinstance(conv, torch.Tensor):
         raise ValueError("a quantized Gated DeltaNet conv1d.weight is not supported (it runs in full precision)")
-    k0, nk, v0, nv = heads(spec, tp)
-    dk, dv, key = spec.k_head_dim, spec.v_head_dim, spec.num_k_heads * spec.k_head_dim
     w = conv.reshape(conv.shape[0], -1)
-    return torch.cat([w[k0 * dk : (k0 + nk) * dk], w[key + k0 * dk : key + (k0 + nk) * dk],
-                      w[2 * key + v0 * dv : 2 * key + (v0 + nv) * dv]])
+    return torch.cat([w[first : first + count] for first, count in conv_runs(spec, tp)])
 
 
 def grouped_in_proj(ck: Checkpoint, a: str, spec: GDNSpec, tp: TPGroup) -> tuple[Weight, Weight, torch.Tensor]:

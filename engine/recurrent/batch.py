@@ -2,10 +2,15 @@
 makes: the short convolution, the gated delta rule (Gated DeltaNet) and the SSD scan (Mamba2).
 
 Each call takes the layer's packed per-token inputs and its pool part (`StatePool.part`), and picks
-the kernel: on CUDA, a batch whose segments are all one token (a decode step) goes to the Triton
-steps (engine/recurrent/triton_steps.py: state read and written in the pool, no gather); everything
-else to the packed-segment torch path (engine/recurrent/segments.py: chunked forms for prompt
-chunks, one batched step for the one-token segments).
+the kernel: on CUDA (or with `triton` set: the triton attention backend, CI's interpreter), a batch
+whose segments are all one token (a decode step) goes to the Triton steps
+(engine/recurrent/triton_steps.py: state read and written in the pool, no gather); everything else to
+the packed-segment torch path (engine/recurrent/segments.py: chunked forms for prompt chunks, one
+batched step for the one-token segments). A batch with a prompt chunk goes, on CUDA (or with
+`triton_prefill` True: the interpreter tests), to the Triton chunked kernels
+(engine/recurrent/triton_chunked.py: the whole varlen batch in one launch each, states in place);
+`triton_prefill` False keeps the torch path anywhere. The gated delta rule's chunked kernel is not
+taken on CUDA by default (GDN_CHUNKED_ON_CUDA: it spills registers on sm_90; triton_chunked.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from engine.recurrent.gated_delta import gated_delta_varlen
 from engine.recurrent.ssd import NO_LIMIT, ssd_varlen
 from engine.recurrent.state_pool import StatePool
 
+# the gated delta rule's Triton chunked kernel on CUDA prefill by default: off until it compiles for sm_90
+# without spilling registers (engine/recurrent/triton_chunked.py); triton_prefill=True still forces it
+GDN_CHUNKED_ON_CUDA = False
+
 
 @dataclass
 class StateBatch:
@@ -28,13 +37,23 @@ class StateBatch:
     slots: torch.Tensor  # int64 [B] each segment's slot, on the pool's device
     seq_lens: list[int]  # [B] new tokens of each segment: how per-token inputs are packed
     has_state: list[bool]  # [B] the segment continues its sequence (start > 0); False: from zeros
+    triton: bool = False  # decode steps through the Triton kernels off CUDA too (the triton attention backend)
+    # batches with a prompt chunk through the Triton chunked kernels: None on CUDA only, True / False forces it
+    triton_prefill: bool | None = None
 
     @property
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.seq_lens)
 
     def _triton(self) -> bool:
-        return self.pool.buffer.device.type == "cuda" and self.decode_only
+        return (self.triton or self.pool.buffer.device.type == "cuda") and self.decode_only
+
+    def _triton_chunked(self, gdn: bool = False) -> bool:
+        if self.decode_only:
+            return False
+        if self.triton_prefill is not None:
+            return self.triton_prefill
+        return self.pool.buffer.device.type == "cuda" and (GDN_CHUNKED_ON_CUDA or not gdn)
 
     def conv(self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              activation: str | None = "silu") -> torch.Tensor:
@@ -44,6 +63,9 @@ class StateBatch:
         if self._triton():
             from engine.recurrent.triton_steps import conv1d_decode_step
             return conv1d_decode_step(x.contiguous(), weight, bias, self.slots, states, self.has_state, activation)
+        if self._triton_chunked():
+            from engine.recurrent.triton_chunked import conv1d_prefill
+            return conv1d_prefill(x, weight, bias, self.seq_lens, self.slots, states, self.has_state, activation)
         return causal_conv1d_varlen(x, weight, bias, self.seq_lens, self.slots, states, self.has_state, activation)
 
     def gated_delta(self, name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -55,6 +77,10 @@ class StateBatch:
             from engine.recurrent.triton_steps import gdn_decode_step
             return gdn_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
                                    self.slots, states, self.has_state, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        if self._triton_chunked(gdn=True):
+            from engine.recurrent.triton_chunked import gdn_prefill
+            return gdn_prefill(q, k, v, g, beta, self.seq_lens, self.slots, states, self.has_state,
+                               use_qk_l2norm=use_qk_l2norm, scale=scale)
         return gated_delta_varlen(q, k, v, g, beta, self.seq_lens, self.slots, states, self.has_state,
                                   use_qk_l2norm=use_qk_l2norm, scale=scale)
 
@@ -68,5 +94,9 @@ class StateBatch:
             from engine.recurrent.triton_steps import ssd_decode_step
             return ssd_decode_step(x.contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), self.slots,
                                    states, self.has_state, D=D, dt_bias=dt_bias, dt_limit=dt_limit)
+        if self._triton_chunked():  # the kernel's own chunk (64), not the model's: equal up to rounding
+            from engine.recurrent.triton_chunked import ssd_prefill
+            return ssd_prefill(x, dt, A, B, C, self.seq_lens, self.slots, states, self.has_state, D=D,
+                               dt_bias=dt_bias, dt_limit=dt_limit)
         return ssd_varlen(x, dt, A, B, C, self.seq_lens, self.slots, states, self.has_state, D=D, dt_bias=dt_bias,
                           dt_limit=dt_limit, chunk_size=chunk_size)

@@ -13,6 +13,11 @@ The state is per request, not per token: its size is constant in the sequence's 
 80B: ~75 MB per request), so the pool is sized by requests (`--max-state-slots`), not by pages.
 A new slot's contents are never read: a segment that starts its sequence runs from zeros
 (`has_state` False, engine/recurrent/segments.py).
+
+Tensor parallelism: each part of a rank's spec names the rows of the whole model's part it holds
+(`StatePart.rows`, runs of its first dimension: heads of a recurrent state, channels of a conv state).
+`StateSpec.full()` is the TP-independent layout (every part whole), the one PD puts on the wire:
+`to_full` writes a rank's rows into it, `from_full` takes them out (service/pd.py: StateWire).
 """
 
 from __future__ import annotations
@@ -29,12 +34,41 @@ ALIGN = 64
 @dataclass(frozen=True)
 class StatePart:
     name: str  # "<layer>.conv" / "<layer>.ssm"
-    shape: tuple[int, ...]  # per slot
+    shape: tuple[int, ...]  # per slot, this rank's
     dtype: torch.dtype
+    # tensor parallelism: (first, count) runs of the whole part's first dimension that this rank's rows are,
+    # in order (their counts sum to shape[0]); () = the whole part (no slicing)
+    rows: tuple[tuple[int, int], ...] = ()
+    full_rows: int = 0  # the whole part's first dimension (0: shape[0])
+
+    def __post_init__(self) -> None:
+        if self.rows and sum(c for _, c in self.rows) != self.shape[0]:
+            raise ValueError(f"state part {self.name}: rows {self.rows} do not add up to its {self.shape[0]} rows")
+        if any(f < 0 or c < 0 or f + c > self.whole for f, c in self.rows):
+            raise ValueError(f"state part {self.name}: rows {self.rows} lie outside its {self.whole} whole rows")
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def whole(self) -> int:
+        """The whole model's first dimension of this part (every rank's rows together)."""
+        return self.full_rows or self.shape[0]
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        return self.rows or ((0, self.shape[0]),)
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether this rank's rows are the whole part, in order (its bytes are the whole part's)."""
+        at = 0
+        for first, count in self.runs:
+            if first != at:
+                return False
+            at += count
+        return at == self.whole
 
 
 @dataclass(frozen=True)
@@ -55,6 +89,56 @@ class StateSpec:
         """The layout as a compatibility string: PD's two sides must agree on it byte for byte."""
         return ";".join(f"{p.name}:{'x'.join(map(str, p.shape))}:{str(p.dtype).removeprefix('torch.')}"
                         for p in self.parts)
+
+    def full(self) -> StateSpec:
+        """The TP-independent layout: every part whole (a TP 1 rank's spec), what PD sends."""
+        return StateSpec(tuple(StatePart(p.name, (p.whole, *p.shape[1:]), p.dtype) for p in self.parts))
+
+    @property
+    def sliced(self) -> bool:
+        """Whether this rank holds only part of some part's rows (TP > 1)."""
+        return not all(p.is_whole for p in self.parts)
+
+
+def _parts(spec: StateSpec, row: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One slot's bytes (uint8 [slot_bytes]) -> each part's view [*shape] over them."""
+    offsets, size = spec.layout()
+    if row.numel() != size:
+        raise ValueError(f"a state of {row.numel()} bytes does not fit a {size}-byte slot")
+    return {p.name: row[offsets[p.name] : offsets[p.name] + p.nbytes].view(p.dtype).view(p.shape) for p in spec.parts}
+
+
+def to_full(spec: StateSpec, row: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a rank's state (uint8 [spec's slot_bytes]) into its rows of the whole state `full` (uint8
+    [spec.full()'s slot_bytes]), in place; rows other ranks hold are left as they are."""
+    mine, whole = _parts(spec, row), _parts(spec.full(), full)
+    for p in spec.parts:
+        at = 0
+        for first, count in p.runs:
+            whole[p.name][first : first + count] = mine[p.name][at : at + count]
+            at += count
+
+
+def from_full(spec: StateSpec, full: torch.Tensor) -> torch.Tensor:
+    """A rank's state (uint8 [spec's slot_bytes]) taken out of the whole state (uint8 [spec.full()'s
+    slot_bytes]): its rows of every part."""
+    out = torch.zeros(spec.layout()[1], dtype=torch.uint8, device=full.device)
+    mine, whole = _parts(spec, out), _parts(spec.full(), full)
+    for p in spec.parts:
+        mine[p.name].copy_(torch.cat([whole[p.name][first : first + count] for first, count in p.runs]))
+    return out
+
+
+def check_cover(specs: list[StateSpec]) -> None:
+    """ValueError unless the ranks' specs (rank 0 first) together hold every row of every part."""
+    for i, p in enumerate(specs[0].parts):
+        held = [False] * p.whole
+        for spec in specs:
+            for first, count in spec.parts[i].runs:
+                held[first : first + count] = [True] * count
+        missing = [r for r, h in enumerate(held) if not h]
+        if missing:
+            raise ValueError(f"state part {p.name}: rows {missing} are held by no rank")
 
 
 class StatePool:

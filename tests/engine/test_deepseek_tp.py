@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed import tp_kv, tp_ranks
+from engine.distributed import tp_kv
 from engine.forward.forward_batch import LOGITS_ALL, LOGITS_LAST, Segment, forward_segments
 from engine.kvcache.memory import pages_for
 from tests.engine.test_deepseek import GREEDY, _prompt, save_deepseek
 from tests.engine.test_tp import _serve
+from tests.tp_spawn import tp_runner
 from transfer.layout import page_view
 
 ENGINE = dict(max_total_tokens=1024, host_kv_tokens=256, page_size=8, chunked_prefill_size=32,
@@ -26,26 +27,14 @@ ENGINE = dict(max_total_tokens=1024, host_kv_tokens=256, page_size=8, chunked_pr
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):  # noqa: ANN001, ANN201
     """(transformers model, TP=1 runner, TP=2 rank-0 runner) of one random DeepSeek-V3."""
-    from engine.distributed.tp_runner import make_runner
     from engine.forward.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("deepseek_tp")
     hf = save_deepseek("deepseek_v3", path)
     one = ModelRunner(EngineConfig(model=str(path), **ENGINE))
-    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(model=str(path), tp=2, **ENGINE))
-    procs = tp_ranks.spawn_ranks(cfg)
-    try:
-        two = make_runner(cfg)
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    yield hf, one, two
-    two.close()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0, f"rank 1 exited with {p.exitcode}"
+    with tp_runner(EngineConfig(model=str(path), **ENGINE)) as two:
+        yield hf, one, two
 
 
 def _logits(runner, ids: list[int]) -> torch.Tensor:  # noqa: ANN001

@@ -447,26 +447,14 @@ def test_tp2_model_matches_transformers(family):
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):  # noqa: ANN001, ANN201
     """(transformers model, TP=2 rank-0 runner) of Qwen3-Next; rank 1 a real `spawn` process over gloo."""
-    from engine.distributed import tp_ranks
-    from engine.distributed.tp_runner import make_runner
+    from tests.tp_spawn import tp_runner
 
     path = tmp_path_factory.mktemp("qwen3_next_tp2")
     hf = write_model("qwen3_next", path)
-    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(
-        model=str(path), max_total_tokens=1024, page_size=16, max_running_requests=4, threads=1, tp=2,
-        prefix_cache=True, state_snapshot_interval=64))  # 4 slots for requests + 4 for prefix-cache snapshots
-    procs = tp_ranks.spawn_ranks(cfg)
-    try:
-        two = make_runner(cfg)
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    yield hf, two
-    two.close()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0, f"rank 1 exited with {p.exitcode}"
+    cfg = EngineConfig(model=str(path), max_total_tokens=1024, page_size=16, max_running_requests=4, threads=1,
+                       prefix_cache=True, state_snapshot_interval=64)  # 4 slots for requests + 4 for snapshots
+    with tp_runner(cfg) as two:
+        yield hf, two
 
 
 @pytest.mark.slow

@@ -5,8 +5,11 @@ random-weight models (tests/hybrid_models.py); transformers is the oracle.
 Per family: greedy tokens equal to transformers' argmax at every step, alone and in one continuous
 batch; a pool too small for the batch retracts requests (state saved to the host with the KV) and
 the outputs do not change; n > 1 choices fork the prompt's state; fewer state slots than requests
-make requests wait, not fail; an abort storm leaves every page and slot free; the in-process PD pair
-(the state rides the KV transfer as extra wire pages) equals colocated. Then what is refused.
+make requests wait, not fail; an abort storm leaves every page and slot free; priority preemption with
+one state slot saves and reloads the preempted request's state; the in-process PD pair (the state
+rides the KV transfer as extra wire pages) equals colocated. Then what is refused. Last, one real stack
+(router, a TP 2 prefill, two TP 1 decodes, Nemotron-H): answers equal colocated, and a stream migrates
+off a killed decode with the same tokens. (PD across unequal TP in process: test_hybrid_pd_tp.py.)
 """
 
 from __future__ import annotations
@@ -121,6 +124,36 @@ def test_an_abort_storm_frees_every_page_and_slot(family, llm):
     assert sched.kv.all_free() and sched.kv.states.num_used == 0
 
 
+def test_priority_preemption_saves_and_reloads_the_state(family, llm):
+    """One state slot: a running low-priority request holds it; an urgent arrival preempts it (its state
+    saved to the host with its KV, the slot freed), runs, and the low one reloads its state and ends with
+    the tokens it has alone."""
+    from engine.request_groups import ReqOptions
+
+    low_ids, high_ids = _prompt(60, 50), _prompt(61, 30)
+    low_sp = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    want = {"low": llm.generate([low_ids], low_sp)[0].output_ids,
+            "high": llm.generate([high_ids], GREEDY)[0].output_ids}
+    one = LLM(_cfg(family[2], max_state_slots=1, enable_priority_scheduling=True))
+    sched, kv = one.scheduler, one.scheduler.kv
+    low = Req(rid="low", token_ids=low_ids, sampling=low_sp, options=ReqOptions(priority=0))
+    high = Req(rid="high", token_ids=high_ids, sampling=GREEDY, options=ReqOptions(priority=10))
+    sched.add(low)
+    while low.num_output_tokens < 5:
+        sched.step()
+    sched.add(high)
+    while not high.finished:
+        sched.step()
+        assert kv.slots_used <= 1
+    assert kv.retractions == 1 and not low.finished, "the urgent request did not preempt the low one"
+    while sched.has_work():
+        sched.step()
+        sched.drain()
+    assert kv.reloads == 1 and low.error is None and high.error is None
+    assert {"low": low.output_ids, "high": high.output_ids} == want
+    assert kv.all_free() and kv.states.num_used == 0
+
+
 def test_pd_in_process_equals_colocated(family):
     pd_equals_colocated(_cfg(family[2]), [_prompt(7, 21), _prompt(8, 150)], GREEDY, heartbeat_s=5.0)
 
@@ -141,10 +174,11 @@ def test_what_is_refused_says_so(family, field, value, words):
 
 @pytest.fixture(scope="module")
 def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
-    """Nemotron-H: colocated, a prefill, a decode (separate processes, real UCX), the router over them."""
+    """Nemotron-H: colocated, a prefill at TP 2 (its ranks' state gathered into the wire's whole layout),
+    two decodes at TP 1 (separate processes, real UCX), the router over them."""
     model = tmp_path_factory.mktemp("hybrid_pd")
     write_hybrid("nemotron_h", model)
-    with router_stack(model) as procs:
+    with router_stack(model, ("--tp", "2"), decodes=2) as procs:
         yield procs
 
 
@@ -157,3 +191,55 @@ def test_real_pd_through_router_equals_colocated(pd_stack):
     for role in ("colo", "pre"):  # theirs is on by default: state snapshots beside the requests' slots
         info = httpx.get(pd_stack[role].url + "/server_info", timeout=30).json()
         assert info["state_snapshot_slots"] == info["state_slots"] // 2 > 0
+
+
+@pytest.mark.slow
+def test_a_stream_migrates_off_a_killed_decode_with_its_state(pd_stack):
+    """Mid-stream migration (router/migration.py) on a hybrid model: the decode streaming a /generate answer
+    is killed (-9) after a few tokens; the router resumes it on the other decode (the prefill recomputes
+    prompt + streamed tokens, state included, and ships the state again) and the whole answer equals the
+    colocated one. Runs last: it kills "dec"."""
+    import json
+    import signal
+    import threading
+
+    router, victim, survivor = pd_stack["router"].url, pd_stack["dec"], pd_stack["dec2"]
+    ids = _prompt(3, 40)
+    sampling = {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(pd_stack["colo"].url + "/generate", json={"input_ids": ids, "sampling_params": sampling},
+                      timeout=120).json()["output_ids"]
+    httpx.delete(router + "/admin/workers", params={"url": survivor.url}, timeout=10).raise_for_status()
+    killed = threading.Event()
+    events: list[dict] = []
+    with httpx.Client(timeout=300) as c, c.stream("POST", router + "/generate", json={
+            "input_ids": ids, "sampling_params": sampling, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 3 and not killed.is_set():  # the stream runs on the victim: the survivor back, kill
+                httpx.post(router + "/admin/workers", json={"url": survivor.url, "role": "decode"},
+                           timeout=10).raise_for_status()
+                victim.signal(signal.SIGKILL, group=True)
+                killed.set()
+    assert killed.is_set() and not any("error" in e for e in events), events[-2:]
+    assert events[-1]["output_ids"] == want, "the migrated answer differs from colocated"
+    metrics = httpx.get(router + "/metrics", timeout=10).text
+    assert "pdserve_router_migrations_total 1.0" in metrics, "the stream ended before the kill"
+    for role in ("pre", "dec2"):  # every page and state slot back
+        wait_idle_slots(pd_stack[role].url)
+
+
+def wait_idle_slots(url: str) -> None:
+    from common.procs import wait_until
+
+    def idle() -> bool:
+        st = httpx.get(url + "/server_info", timeout=10).json()["internal_states"][0]
+        slots = [ln for ln in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                 if ln.startswith("pdserve_worker_state_slots_used")]
+        assert slots, "no state-slot gauge on /metrics"
+        return st["kv_used_tokens"] == 0 and st.get("active_rooms", 0) == 0 and \
+            all(float(ln.split()[-1]) == 0 for ln in slots)
+
+    wait_until(idle, 60, f"{url} to free its pages and state slots", 0.2)

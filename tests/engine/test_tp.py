@@ -26,6 +26,7 @@ from engine.sampling.params import SamplingParams
 from service import messages as m
 from tests.pd_harness import collect, generate_req, kv_manager
 from tests.tiny_model import make_tiny_model
+from tests.tp_spawn import tp_runner
 
 FAMILIES = {
     "llama": dict(),
@@ -53,24 +54,12 @@ def _tiny(root: Path, family: str) -> Path:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """(TP=1 runner, TP=2 rank-0 runner) over the same model; rank 1 runs in its own process."""
-    from engine.distributed.tp_runner import make_runner
     from engine.forward.model_runner import ModelRunner
 
     model = str(_tiny(tmp_path_factory.mktemp("tp"), request.param))
     one = ModelRunner(EngineConfig(model=model, **ENGINE))
-    cfg, _store = tp_ranks.host_rendezvous(EngineConfig(model=model, tp=2, **ENGINE))
-    procs = tp_ranks.spawn_ranks(cfg)
-    try:
-        two = make_runner(cfg)
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    yield one, two
-    two.close()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0, f"rank 1 exited with {p.exitcode}"
+    with tp_runner(EngineConfig(model=model, **ENGINE)) as two:
+        yield one, two
 
 
 def _serve(runner, prompts: list[list[int]], sampling: SamplingParams, n: int = 1,  # noqa: ANN001

@@ -64,6 +64,7 @@ ADAPTERS = {
     "engine.models.moe_triton": "triton",
     "engine.extras.lora.triton_sgmv": "triton",
     "engine.recurrent.triton_steps": "triton",
+    "engine.recurrent.triton_chunked": "triton",
     "transfer.ucx_backend": "ucxx",
     "engine.models.gguf_convert": "gguf",
 }

@@ -199,3 +199,24 @@ def test_request_exact_prompt_and_reported_cached_tokens():
     assert cached_tokens_of([{"usage": {"prompt_tokens_details": {"cached_tokens": 4}}}]) == 4
     assert cached_tokens_of({"text": "x"}) is None
 
+
+
+def test_ties_go_to_the_worker_holding_fewest_tokens_by_its_events():
+    """No worker holds the prompt (a tie below the threshold) at equal load: a worker with events counts the
+    tokens its KV index holds, not its approximate tree; one without events its tree's estimate."""
+    a, b, c = _worker("http://a:1"), _worker("http://b:1"), _worker("http://c:1")
+    kv = KVIndex()
+    for w in (a, b):
+        kv.worker(w.url, f"tcp://{w.url[7:8]}:1", PAGE)
+    ca = CacheAware(PrefixIndex(block_chars=8), kv=kv)
+    ca.index.insert(b.url, ca.index.chain("x" * 80))  # b's tree: 10 blocks; a's: none
+    kv.apply_batch(a.url, 0, _batch(_stored(block_hashes(list(range(40)), PAGE))))  # a holds 40 tokens
+    kv.apply_batch(b.url, 0, _batch(_stored(block_hashes(list(range(100, 108)), PAGE))))  # b holds 8
+    exact = ExactPrompt(list(range(500, 532)))
+    assert ca.held(a) == 40 and ca.held(b) == 8
+    assert ca.pick([a, b], "y" * 64, exact) is b  # the tree's size would pick a
+    assert ca.held(c) == 0  # no events, empty tree
+    assert ca.pick([a, b, c], "z" * 64, exact) is c
+    assert ca.held(c) == 64 // 4  # the picked prompt's 64 characters in its tree: ~16 tokens
+    b.outstanding_requests = 1  # load first, then the tokens held
+    assert ca.pick([a, b], "v" * 64, exact) is a

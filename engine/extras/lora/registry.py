@@ -12,7 +12,8 @@
   loaded is a KeyError (the frontend admits only loaded names, in order with unloads).
 Under TP every rank holds its own registry; load/unload run as rank ops on all of them
 (engine/extras/lora/runner.py, through `runner.collective`), each rank slicing A/B like its base layers.
-On CUDA each (layer, module) also has slot stacks A [S, R, in], B [S, out, R] (R = the module's
+Where the model's Triton kernels run (CUDA, or the triton attention backend: engine.attention.base.
+triton_kernels) each (layer, module) also has slot stacks A [S, R, in], B [S, out, R] (R = the module's
 widest fused rank, zero-padded) for the Triton SGMV kernel.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.base import triton_kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.extras.lora.adapter import MODULES, LoRAAdapter, load_adapter, read_config, target_list
@@ -55,13 +57,17 @@ def parse_lora_paths(items: Collection[str]) -> dict[str, str]:
 
 class LoRARegistry:
     def __init__(self, cfg: ModelConfig, slots: int, max_rank: int, tp: TPGroup = SINGLE,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 slot_stacks: bool | None = None) -> None:
+        """`slot_stacks`: keep the Triton SGMV path's per-slot stacks (None: on CUDA only)."""
         self.cfg, self.slots, self.max_rank, self.tp = cfg, slots, max_rank, tp
         self.dtype, self.device = dtype, torch.device(device)
+        if slot_stacks is None:
+            slot_stacks = self.device.type == "cuda"
         self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slot_of: dict[str, int] = {}
         self.load_seconds: dict[str, float] = {}
-        self.stacks: dict | None = {} if self.device.type == "cuda" else None
+        self.stacks: dict | None = {} if slot_stacks else None
         self._concat: dict[tuple[str, ...], ConcatWeights] = {}  # CPU path, by adapter set (cleared on changes)
 
     def names(self) -> list[str]:
@@ -140,7 +146,7 @@ class LoRARegistry:
         return cw
 
     def _stack(self, adapter: LoRAAdapter, slot: int) -> None:
-        """Write the adapter into slot `slot` of the CUDA stacks (allocated on first use, max rank wide)."""
+        """Write the adapter into slot `slot` of the Triton path's stacks (allocated on first use, max rank wide)."""
         for layer, mods in enumerate(adapter.weights):
             for mod, (a, b) in mods.items():
                 key = (layer, mod)
@@ -182,7 +188,8 @@ def registry_for(cfg: EngineConfig, mc: ModelConfig, tp: TPGroup, dtype: torch.d
     if getattr(mc, "mla", None) is not None:
         raise ValueError("--lora-paths / --max-loaded-loras: LoRA is not supported for MLA models")
     slots = max(cfg.max_loaded_loras, len(paths))
-    reg = LoRARegistry(mc, slots, cfg.max_lora_rank, tp, dtype, device)
+    reg = LoRARegistry(mc, slots, cfg.max_lora_rank, tp, dtype, device,
+                       slot_stacks=triton_kernels(cfg.resolved_attention_backend, device))
     for name, path in paths.items():
         try:
             reg.load(name, path)

@@ -110,13 +110,16 @@ def test_bad_inputs(device):
 
 
 
-def test_model_dispatch_keeps_cpu_on_torch():
+def test_model_dispatch_follows_the_kernel_choice():
+    from engine.attention.base import triton_kernels
     from engine.attention.mla import mla_decode_torch
     from engine.models.deepseek_mla import _decode_fn
 
-    assert _decode_fn(torch.device("cpu")) is mla_decode_torch
-    if torch.cuda.is_available():
-        assert _decode_fn(torch.device("cuda")) is mla_decode_triton
+    assert _decode_fn(False) is mla_decode_torch
+    assert _decode_fn(True) is mla_decode_triton
+    # CUDA always takes the kernels; a CPU only with the triton attention backend (the interpreter)
+    assert triton_kernels("torch", "cuda") and triton_kernels("triton", "cuda:1") and triton_kernels("triton", "cpu")
+    assert not triton_kernels("torch", "cpu") and not triton_kernels("cpu", "cpu")
 
 
 _SM90_COMPILE = r"""
@@ -131,12 +134,13 @@ def build(fn, sig, consts, warps):
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     return compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
 
-strides = ("qlt qlh qld qpt qph qpd pp ps pd pt mb mh ms lb lh").split()
 sig = {"ql_ptr": "*bf16", "qpe_ptr": "*bf16", "pool_ptr": "*bf16", "page_table_ptr": "*i32",
        "seq_lens_ptr": "*i32", "mid_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32", "num_heads": "i32",
-       **{"stride_" + n: "i32" for n in strides}}
+       **{"stride_" + n: "i32" for n in "qlt qlh qld qpt qph qpd pp ps pd".split()},
+       "scale_ptr": "*fp32", "stride_sp": "i32", "stride_ss": "i32",
+       **{"stride_" + n: "i32" for n in "pt mb mh ms lb lh".split()}}
 consts = dict(RANK=512, ROPE=64, PAGE_SIZE=16, BLOCK_H=16, BLOCK_N=32, BLOCK_R=512, BLOCK_PE=64,
-              NUM_SPLITS=4, DOT_PRECISION="tf32", UPCAST=False)
+              NUM_SPLITS=4, DOT_PRECISION="tf32", UPCAST=False, KV_FP8=False)
 stage1 = build(m.mla_decode_stage1_kernel, sig, consts, 8)
 sig = {"mid_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
        **{"stride_" + n: "i32" for n in "mb mh ms lb lh ob oh".split()}}
