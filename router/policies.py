@@ -18,10 +18,14 @@ failed this request before calling, and fall back to the full list if nothing is
                 worker's tree then holds the prompt.
                 A request with a `routing_key` is routed by a digest of the key instead of its
                 prompt (router.protocol), so requests sharing a key stay on one worker.
-                With a KV index (router/kv_index.py, `--kv-events auto`): a worker that publishes KV
-                events is scored by what it really holds: the request's leading pages on its device,
-                plus HOST_WEIGHT x those after them on its host tier, as a share of the prompt's
-                tokens, against the same `threshold` and load guard. That needs the request's token
+                With a KV index (router/kv_index.py, `--kv-events auto`): when every candidate publishes
+                KV events, the pick is the least work before the request's first token (`by_cost`): the
+                worker's outstanding tokens plus the prompt tokens it would compute (its leading pages on
+                the device are free, those after them on its host tier count 1 - HOST_WEIGHT), ties as
+                above, then the same load guard. Dynamo's cost (overlap-weighted prefill blocks plus the
+                worker's active blocks) in tokens; measured against the threshold rule in docs/benchmarks.md.
+                With a mix, a worker that publishes events is scored by what it really holds (the same
+                pages as a share of the prompt's tokens) against the same `threshold`. That needs the request's token
                 ids (`exact`): /generate `input_ids` and token-id completions carry them; text and chat
                 prompts get them from the router's tokenizer (router/prompt_ids.py, the frontends'
                 tokenization) once it is loaded. A request without them (no tokenizer, images, tools, a
@@ -97,6 +101,23 @@ class CacheAware:
         tokens = self.kv.held_tokens(w.url) if self.kv is not None else None
         return tokens if tokens is not None else self.index.size(w.url) * self.index.block_chars // CHARS_PER_TOKEN
 
+    def by_cost(self, candidates: list[Worker], exact: ExactPrompt) -> Worker | None:
+        """Every candidate publishes KV events: the worker with the least work before this request's first
+        token, its outstanding tokens plus the prompt tokens it would compute (a host page costs 1 - HOST_WEIGHT
+        of a computed one). Ties: fewest outstanding requests, then fewest tokens held, then the URL. None when
+        some candidate has no events (the threshold rule decides)."""
+        n = len(exact.token_ids)
+        costs = []
+        for w in candidates:
+            got = self.kv.prefix_of(w.url, exact, w.loras, self._memo) if self.kv is not None else None
+            if got is None:
+                return None
+            device, host, size = got
+            self._predicted[w.url] = device * size
+            cached = min(n, (device + HOST_WEIGHT * host) * size)
+            costs.append((w.outstanding_tokens + n - cached, w.outstanding_requests, self.held(w), w.url, w))
+        return min(costs, key=lambda c: c[:4])[4]
+
     def by_cache(self, candidates: list[Worker], chain: list[int], exact: ExactPrompt | None = None) -> Worker:
         scored = [(self.share(w, chain, exact), w) for w in candidates]
         best = max(n for n, _ in scored)
@@ -109,7 +130,9 @@ class CacheAware:
         chain = self.index.chain(prefix)
         self._predicted.clear()
         self._memo.clear()
-        chosen = self.by_cache(candidates, chain, exact)
+        chosen = self.by_cost(candidates, exact) if exact is not None and exact.token_ids else None
+        if chosen is None:
+            chosen = self.by_cache(candidates, chain, exact)
         least = min(w.outstanding_requests for w in candidates)
         load = chosen.outstanding_requests
         if load - least > self._abs and load > least * self._rel:

@@ -220,3 +220,21 @@ def test_ties_go_to_the_worker_holding_fewest_tokens_by_its_events():
     assert ca.held(c) == 64 // 4  # the picked prompt's 64 characters in its tree: ~16 tokens
     b.outstanding_requests = 1  # load first, then the tokens held
     assert ca.pick([a, b], "v" * 64, exact) is a
+
+
+def test_with_events_everywhere_the_pick_weighs_what_is_cached_against_the_queue():
+    """Every candidate publishes events: the pick is the least work before the first token, the worker's
+    outstanding tokens plus the prompt tokens it would compute (overlap against load)."""
+    a, b = _worker("http://a:1"), _worker("http://b:1")
+    kv = KVIndex()
+    for w in (a, b):
+        kv.worker(w.url, f"tcp://{w.url[7:8]}:1", PAGE)
+    ca = CacheAware(PrefixIndex(block_chars=8), kv=kv, predicts=True)
+    ids = list(range(64))
+    kv.apply_batch(a.url, 0, _batch(_stored(block_hashes(ids[:48], PAGE))))  # a holds 48 of the 64
+    exact = ExactPrompt(ids)
+    a.outstanding_tokens = 10  # 10 + 16 to compute < b's 0 + 64
+    assert ca.pick([a, b], "p", exact) is a
+    assert kv.workers[a.url].predicted_tokens == 48
+    a.outstanding_tokens = 100  # 100 + 16 > 0 + 64: the idle worker computes it all sooner
+    assert ca.pick([a, b], "p", exact) is b
