@@ -22,6 +22,7 @@ TP 1 they run locally.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,14 +36,15 @@ from engine.recurrent.state_pool import StateSpec, check_cover, from_full, to_fu
 if TYPE_CHECKING:
     from engine.distributed.tp_runner import AnyRunner
 
-_SPECS: dict[int, list[StateSpec]] = {}  # id(rank 0's state pool) -> every rank's spec, rank 0 first
+# rank 0's state pool -> every rank's spec, rank 0 first (weak: a later pool never finds a freed one's entry)
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _INCOMING: dict[int, torch.Tensor] = {}  # id(rank 0's state pool) -> the whole state state_scatter hands out
 
 
 def rank_specs(runner: AnyRunner | ModelRunner) -> list[StateSpec]:
     """Every rank's state spec (rank 0 first) as rank 0's model slices it; ValueError if some row of
     some part is held by no rank (checked once)."""
-    key = id(runner.states)
+    key = runner.states
     if key not in _SPECS:
         tp: TPGroup = getattr(runner, "tp", SINGLE)
         specs = [runner.model.state_spec(TPGroup(rank=r, size=tp.size)) for r in range(tp.size)]
@@ -89,7 +91,7 @@ def _state_gather(runner: ModelRunner, slot: int) -> torch.Tensor | None:
     if not tp.driver:
         return None
     whole = torch.zeros(states.spec.full().layout()[1], dtype=torch.uint8, device=row.device)
-    for spec, got in zip(_SPECS[id(states)], rows):  # type: ignore[arg-type]
+    for spec, got in zip(_SPECS[states], rows):  # type: ignore[arg-type]
         to_full(spec, got, whole)
     return whole
 
@@ -100,7 +102,7 @@ def _state_scatter(runner: ModelRunner, slot: int) -> None:
     assert states is not None
     if tp.driver:
         whole = _INCOMING[id(states)].to(states.buffer.device)
-        parts = [from_full(spec, whole) for spec in _SPECS[id(states)]]  # uint8 [slot_bytes] each
+        parts = [from_full(spec, whole) for spec in _SPECS[states]]  # uint8 [slot_bytes] each
         mine = parts[0]
     else:
         parts, mine = None, torch.empty(states.slot_bytes, dtype=torch.uint8, device=states.buffer.device)
