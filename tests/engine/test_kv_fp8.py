@@ -294,3 +294,23 @@ def test_mla_latent_pool_in_fp8(deepseek_dir: str) -> None:
     assert llm.scheduler.kv.all_free()
     pd_equals_colocated(EngineConfig(model=deepseek_dir, kv_cache_dtype="fp8_e4m3", **kw), prompts,  # type: ignore[arg-type]
                         GREEDY)
+
+
+@pytest.mark.slow
+def test_tp2_fp8_equals_tp1_fp8(tiny_dir: str) -> None:
+    """Rank 1 holds its KV heads' FP8 rows with their scales: TP 2 gives TP 1's logits (within 1e-3)."""
+    from engine.forward.forward_batch import LOGITS_ALL, Segment, forward_segments
+    from engine.forward.model_runner import ModelRunner
+    from engine.kvcache.memory import pages_for
+    from tests.tp_spawn import tp_runner
+
+    cfg = _cfg(tiny_dir)
+    ids = _prompt(5, 21)
+    one = ModelRunner(cfg)
+    with tp_runner(cfg, 2) as two:
+        outs = []
+        for r in (one, two):
+            pages = r.pool.allocator.allocate(pages_for(len(ids), cfg.page_size))
+            outs.append(forward_segments(r, [Segment(pages, 0, ids, LOGITS_ALL)]).logits[0])
+        assert two.pool.buffer.dtype == torch.uint8
+        assert (outs[0] - outs[1]).abs().max().item() < 1e-3
