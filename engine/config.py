@@ -348,7 +348,8 @@ class EngineConfig:
                             "their ranks", group=TP)
     # host/disk tiers under the prefix cache (engine/kvcache/hicache; docs/architecture.md, "Host tier")
     hicache_host_tokens: int = option(0, "host tier size in tokens (0, the default: off, evicted prefixes are "
-                                      "dropped). Apart from --host-kv-tokens (retraction's pool). Not with --tp > 1",
+                                      "dropped). Apart from --host-kv-tokens (retraction's pool). Under --tp > 1 every "
+                                      "rank keeps its own heads",
                                       group=HICACHE)
     hicache_write_policy: str = option(
         "write_back", "write_back (default): a page is copied to the host when the device evicts it (one copy, only "
@@ -356,7 +357,7 @@ class EngineConfig:
         "nothing)", group=HICACHE, choices=HICACHE_WRITE_POLICIES)
     hicache_dir: str = option("", "disk tier: pages evicted from the host tier are written as checksummed files "
                               "under this directory (a subdirectory per worker, emptied at start; needs "
-                              "--hicache-host-tokens)", group=HICACHE)
+                              "--hicache-host-tokens; --tp 1 only)", group=HICACHE)
     hicache_disk_bytes: int = option(1 << 30, "disk tier bound in bytes (least recently used files removed beyond "
                                      "it; default 1 GiB)", group=HICACHE)
     # LoRA (engine/extras/lora, service/lora.py)
@@ -444,8 +445,9 @@ class EngineConfig:
             return
         need(self.hicache_host_tokens >= self.page_size, "--hicache-host-tokens must hold at least one page")
         need(self.prefix_cache, "--hicache-host-tokens needs the prefix cache (drop --disable-prefix-cache)")
-        need(self.tp == 1, "--hicache-host-tokens is not supported with --tp > 1 (host tier copies are not "
-                           "broadcast to the other ranks); use --tp 1 or --hicache-host-tokens 0")
+        need(self.tp == 1 or not self.hicache_dir, "--hicache-dir is not supported with --tp > 1 (a disk page "
+             "would hold one rank's KV heads: the host tier runs on every rank, the disk tier not yet); drop "
+             "--hicache-dir or use --tp 1")
 
     def _check_tp(self) -> None:
         need(self.tp >= 1, f"--tp must be >= 1, got {self.tp}")

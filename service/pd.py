@@ -63,7 +63,7 @@ class StateWire:
     whole: a TP 1 slot, `whole_bytes`; engine/distributed/tp_state.py), so any prefill TP serves any
     decode TP. The prefill gathers it from its ranks and appends it to its last chunk (`with_state`); the
     decode reserves that many landing pages of its own pool after the prompt's, and once the room
-    succeeds (`land`) every rank's slot takes its rows of it and the pages are freed. A TP > 1 decode
+    succeeds (`land`) every rank's slot takes its rows of it and the pages are zeroed and freed. A TP > 1 decode
     receives into staging: `keep` takes the landing pages' rows out of what landed (they are not KV
     heads to scatter) until `land` or `drop`. The transfer layer sees pages only."""
 
@@ -114,7 +114,11 @@ class StateWire:
                 raise ValueError(f"rid {r.rid}: the state's landing pages {landing} never landed")
             flat = torch.cat([self._rx.pop(p) for p in landing])
         else:
-            flat = self.page_view[torch.tensor(landing, dtype=torch.long, device=self.page_view.device)].reshape(-1)
+            idx = torch.tensor(landing, dtype=torch.long, device=self.page_view.device)
+            flat = self.page_view[idx].reshape(-1)  # a copy (advanced indexing): the pages can be scrubbed
+            # the state's bytes read as KV would be arbitrary codes (an FP8 row's scale, a bf16 NaN): a page
+            # reused for KV must hold zeros in the slots its request has not written yet, as a fresh pool does
+            self.page_view[idx] = 0
         scatter_state(self.runner, r.kv.state_slot, flat[: self.whole_bytes])
 
     def drop(self, landing: list[int]) -> None:

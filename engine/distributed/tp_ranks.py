@@ -43,6 +43,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -56,6 +57,7 @@ from engine.cpus import threads_per_worker
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.forward.forward_batch import Segment, build_batch
 from engine.forward.model_runner import ModelRunner, Shard
+from engine.kvcache.hicache.host import HostTier
 from engine.kvcache.memory import HostKVPool, KVPool, _runs
 from engine.models.embedded import resolve_model_path
 from engine.recurrent.state_pool import StatePool
@@ -298,6 +300,25 @@ class DrivenHostKVPool(HostKVPool):
         super().reload(device, host, pages)
 
 
+class DrivenHostTier(HostTier):
+    """Rank 0's host tier of the prefix cache (--hicache-host-tokens under TP): it chooses the host pages; each
+    store and load runs on every rank over its own heads of the same page lists (each rank has a tier of the
+    same size over its own pool). The disk tier under it is refused under TP (engine/config.py)."""
+
+    def __init__(self, driver: Driver, pool: KVPool, tokens: int) -> None:
+        super().__init__(pool, tokens)
+        self.driver = driver
+        self.tokens = tokens
+
+    def store(self, dev_pages: list[int], host_pages: list[int]) -> None:
+        self.driver.send(_tier_store, {"dev": dev_pages, "host": host_pages, "tokens": self.tokens})
+        super().store(dev_pages, host_pages)
+
+    def load(self, host_pages: list[int], dev_pages: list[int]) -> None:
+        self.driver.send(_tier_load, {"host": host_pages, "dev": dev_pages, "tokens": self.tokens})
+        super().load(host_pages, dev_pages)
+
+
 class DrivenStatePool(StatePool):
     """Rank 0's recurrent-state pool (hybrid models): it hands out the slots; a fork's copy and a
     retraction's save / load / discard run on every rank, each over its own heads' state. A saved state is
@@ -371,6 +392,27 @@ def _host_offload(runner: ModelRunner, pages: list[int], host: list[int]) -> Non
     dev, hbuf = runner.pool.buffer, runner.host_pool.buffer
     for d, h, n in _runs(pages, host):
         hbuf[h : h + n].copy_(dev[d : d + n], non_blocking=True)
+
+
+# ranks > 0: the prefix cache's host tier of each runner (a process may serve one group after another: tests)
+_TIERS: weakref.WeakKeyDictionary[ModelRunner, HostTier] = weakref.WeakKeyDictionary()
+
+
+def _rank_tier(runner: ModelRunner, tokens: int) -> HostTier:
+    """This rank's host tier (made at its first use: rank 0's first store), over its own pool."""
+    if runner not in _TIERS:
+        _TIERS[runner] = HostTier(runner.pool, tokens)
+    return _TIERS[runner]
+
+
+@rank_op("tier_store")
+def _tier_store(runner: ModelRunner, dev: list[int], host: list[int], tokens: int) -> None:
+    _rank_tier(runner, tokens).store(dev, host)
+
+
+@rank_op("tier_load")
+def _tier_load(runner: ModelRunner, host: list[int], dev: list[int], tokens: int) -> None:
+    _rank_tier(runner, tokens).load(host, dev)
 
 
 @rank_op("host_reload")

@@ -14,6 +14,7 @@ ModelRunner itself never imports this package. Ranks 1..N-1 run a plain ModelRun
 from __future__ import annotations
 
 import atexit
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,13 +33,20 @@ class TPRunner:
         tp, ctrl = tp_ranks.join(cfg, 0)
         self.driver = tp_ranks.Driver(ctrl)
         atexit.register(self.close)
-        self.local = local = ModelRunner(cfg, tp_ranks.rank_shard(cfg, 0, tp, self.driver))
+        try:
+            self.local = local = ModelRunner(cfg, tp_ranks.rank_shard(cfg, 0, tp, self.driver))
+        except BaseException:  # a refusal (or a crash) at start-up: leave the group, nothing left for exit
+            atexit.unregister(self.close)
+            self.driver.closed = True  # the other ranks see the group go, not a "stop" they may never read
+            tp_ranks.leave()
+            raise
         # what the scheduler, the transfer and the service read of a runner (the pools send their page moves)
         self.cfg, self.model_cfg, self.model_path = local.cfg, local.model_cfg, local.model_path
         self.context_length, self.device, self.dtype = local.context_length, local.device, local.dtype
         self.tp, self.model, self.lora = local.tp, local.model, local.lora
         self.pool, self.host_pool = local.pool, local.host_pool
         self.states = local.states  # hybrid models: slots rank 0 hands out, moved on every rank (DrivenStatePool)
+        self.host_tier = functools.partial(tp_ranks.DrivenHostTier, self.driver)  # the prefix cache's host tier
 
     @property
     def page_size(self) -> int:

@@ -49,16 +49,19 @@ class DraftKV:
 
 def draft_engine_config(cfg):  # noqa: ANN001, ANN201
     """The draft runner's EngineConfig: the target's, with the draft model, no host pool, no prefix
-    cache, no speculation, LoRA and host tiers off (only fields this tree has are replaced)."""
+    cache, no speculation, LoRA and host tiers off (only fields this tree has are replaced). It runs whole
+    on rank 0 whatever the target's --tp (a draft is small: vLLM's draft_tensor_parallel_size=1), with the
+    threads rank 0 already has (under TP each rank has its share of the cores)."""
     names = {f.name for f in dataclasses.fields(cfg)}
     off = {"model": cfg.spec.draft_model, "host_kv_tokens": 0, "spec": SpecConfig(), "prefix_cache": False,
-           "hicache_host_tokens": 0, "hicache_dir": "", "lora_paths": (), "max_loaded_loras": 0}
+           "hicache_host_tokens": 0, "hicache_dir": "", "lora_paths": (), "max_loaded_loras": 0,
+           "tp": 1, "dist_init_addr": "", "dist_store_hosted": False,
+           "threads": cfg.threads if cfg.tp == 1 else torch.get_num_threads()}
     return dataclasses.replace(cfg, **{k: v for k, v in off.items() if k in names})
 
 
 class DraftProposer:
     def __init__(self, target: ModelRunner, cfg, sampler: Sampler) -> None:  # noqa: ANN001
-        need(cfg.tp == 1, "--speculative draft runs with --tp 1 only")
         self.runner = ModelRunner(draft_engine_config(cfg))
         need(self.runner.model_cfg.vocab_size == target.model_cfg.vocab_size,
              f"--draft-model's vocabulary ({self.runner.model_cfg.vocab_size}) must be the target's "

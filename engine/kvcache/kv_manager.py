@@ -51,10 +51,11 @@ recently used cached one (none cached: it is not taken), and a node evicted free
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from engine.kvcache.hicache import HiCacheSpec, HiRadixCache, build_cache
+from engine.kvcache.hicache.host import HostTier
 from engine.kvcache.memory import HostKVPool, KVPool, pages_for
 from engine.kvcache.radix_cache import RadixCache
 from engine.recurrent.state_pool import StatePool
@@ -72,7 +73,7 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 class KVManager:
     def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
                  hicache: HiCacheSpec | None = None, states: StatePool | None = None, snapshot_slots: int = 0,
-                 snapshot_interval: int = 0) -> None:
+                 snapshot_interval: int = 0, host_tier: Callable[[KVPool, int], HostTier] = HostTier) -> None:
         self.pool = pool
         self.states = states  # hybrid models' recurrent-state slots (None: attention only)
         self.host = host_pool
@@ -94,7 +95,7 @@ class KVManager:
         if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/kvcache/hicache)
             if states is not None:
                 raise ValueError("the host tier of the prefix cache cannot hold recurrent-state snapshots")
-            self.cache = build_cache(hicache, pool)
+            self.cache = build_cache(hicache, pool, host_tier)
         # the tree forked choices share prompt pages through (the cache, else private; None: copy)
         self.tree = self.cache if self.cache is not None else \
             (None if window else RadixCache(self.page_size, pool.allocator.free))
@@ -102,12 +103,15 @@ class KVManager:
     @classmethod
     def for_runner(cls, runner: Any, prefix_cache: bool, hicache: HiCacheSpec | None = None) -> KVManager:
         """The manager of a runner's pools (device, host and, for a hybrid model, its state slots: the
-        requests' --max-state-slots, the rest the prefix cache's snapshots)."""
+        requests' --max-state-slots, the rest the prefix cache's snapshots). A TP group's rank 0 runner names
+        its `host_tier` (the host tier's copies run on every rank)."""
         states = getattr(runner, "states", None)
+        tier = getattr(runner, "host_tier", HostTier)
         if states is None:
-            return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache)
+            return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache,
+                       host_tier=tier)
         return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache, states,
-                   states.capacity - runner.cfg.state_request_slots, runner.cfg.state_snapshot_interval)
+                   states.capacity - runner.cfg.state_request_slots, runner.cfg.state_snapshot_interval, tier)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, req: Req) -> int:

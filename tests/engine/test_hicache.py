@@ -208,8 +208,9 @@ def test_config_flags_checked() -> None:
         EngineConfig(prefix_cache=True, hicache_host_tokens=64, hicache_write_policy="sometimes")
     with pytest.raises(ValueError, match="--hicache-dir needs --hicache-host-tokens"):
         EngineConfig(hicache_dir="/tmp/x")
-    with pytest.raises(ValueError, match="--tp > 1"):
-        EngineConfig(prefix_cache=True, hicache_host_tokens=64, tp=2)
+    with pytest.raises(ValueError, match="--hicache-dir is not supported with --tp > 1"):
+        EngineConfig(prefix_cache=True, hicache_host_tokens=64, hicache_dir="/tmp/x", tp=2)
+    assert EngineConfig(prefix_cache=True, hicache_host_tokens=64, tp=2).tp == 2  # the host tier runs on every rank
     with pytest.raises(ValueError, match="prefix cache"):
         EngineConfig(hicache_host_tokens=64)
     assert HiCacheSpec.from_config(EngineConfig()) is None
@@ -232,13 +233,15 @@ def _ecfg(model: str, host_tokens: int, **kw: object) -> EngineConfig:
     return EngineConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def _conversations(cfg: EngineConfig, n: int = 6, turns: int = 4, every_step=None) -> tuple[list, list, object]:  # noqa: ANN001
+def _conversations(cfg: EngineConfig, n: int = 6, turns: int = 4, every_step=None,  # noqa: ANN001
+                   runner=None) -> tuple[list, list, object]:  # noqa: ANN001
     """n multi-turn conversations, one turn of each at a time (round robin), so a conversation's
-    history is evicted by the others before it comes back. Returns (outputs, cached tokens, sched)."""
+    history is evicted by the others before it comes back. Returns (outputs, cached tokens, sched).
+    `runner`: the model runner (default: a ModelRunner of cfg)."""
     from engine.forward.model_runner import ModelRunner
     from engine.scheduling.scheduler import Scheduler
 
-    sched = Scheduler(ModelRunner(cfg), cfg)
+    sched = Scheduler(runner or ModelRunner(cfg), cfg)
     history = [[200 + c] + [(7 * c + i) % 190 + 1 for i in range(10)] for c in range(n)]
     outs, cached = [], []
     for t in range(turns):
@@ -270,6 +273,22 @@ def test_greedy_identical_tier_on_and_off_with_host_hits(tiny_dir: str) -> None:
     assert kv.used_tokens == 0
     kv.flush()
     assert kv.pool.allocator.all_free() and kv.cache.host.allocator.all_free()
+
+
+@pytest.mark.slow
+def test_host_tier_under_tp2_equals_tp1(tiny_dir: str) -> None:
+    """--hicache-host-tokens at --tp 2 (rank 1 a spawned process): every store and load runs on both ranks, so
+    histories evicted to the host and loaded back give TP 1's tokens and its host hits."""
+    from tests.tp_spawn import tp_runner
+
+    want, want_cached, _ = _conversations(_ecfg(tiny_dir, 1024))
+    with tp_runner(_ecfg(tiny_dir, 1024)) as runner:
+        got, cached, sched = _conversations(runner.cfg, runner=runner)
+        tiers = sched.kv.cache_stats().tiers  # type: ignore[attr-defined]
+        assert got == want and cached == want_cached
+        assert tiers["hit_tokens"]["host"] > 0
+        sched.kv.flush()  # type: ignore[attr-defined]
+        assert sched.kv.cache.host.allocator.all_free()  # type: ignore[attr-defined]
 
 
 def test_memory_bounded_under_10x_oversubscription(tiny_dir: str) -> None:

@@ -75,11 +75,11 @@ def _cfg(model: str, spec: SpecConfig | None = None, **kw: object) -> EngineConf
 
 
 def run(cfg: EngineConfig, prompts: list[list[int]], sp: SamplingParams | list[SamplingParams], n: int = 1,
-        logprobs: dict[str, list[float]] | None = None,
+        logprobs: dict[str, list[float]] | None = None, runner: object = None,
         ) -> tuple[dict[str, list[int]], dict[str, m.TokenOut], ColocatedRole]:
     """Serve the prompts colocated (rids r0, r1, ...; with `logprobs`, each token's is collected
-    there); every page freed after."""
-    runner = ModelRunner(cfg)
+    there) on `runner` (default: a ModelRunner of cfg); every page freed after."""
+    runner = runner or ModelRunner(cfg)
     kv = kv_manager(runner, cfg.prefix_cache)
     role = ColocatedRole(cfg, runner, kv)
     tokens: dict[str, list[int]] = {}
@@ -271,6 +271,26 @@ def test_draft_model_greedy_identical(models: dict) -> None:
         assert role.sched.spec.draft.used_pages() == 0  # type: ignore[union-attr]
         rates.append(role.sched.stats().spec.acceptance_rate)
     assert rates[0] < 0.5 < 0.9 < rates[1], rates
+
+
+@pytest.mark.slow
+def test_draft_model_under_tp2_greedy_identical(models: dict) -> None:
+    """--speculative draft at --tp 2: the target's ranks verify, the draft runs whole on rank 0 (its own
+    pool and runner, no rank op); greedy tokens equal the unspeculated TP 1 ones, the drafts are accepted
+    (the target as its own draft), and the draft pool drains."""
+    from tests.tp_spawn import tp_runner
+
+    prompts = [models["often"], models["rarely"]]
+    ref, _, _ = run(_cfg(models["copier"]), prompts, GREEDY, n=2)
+    spec = SpecConfig(speculative="draft", draft_model=models["copier"], num_speculative_tokens=3,
+                      speculative_min_acceptance=0.0)
+    with tp_runner(_cfg(models["copier"], spec, chunked_prefill_size=32)) as runner:
+        out, _, role = run(runner.cfg, prompts, GREEDY, n=2, runner=runner)
+        assert runner.cfg.tp == 2
+        assert out == ref
+        assert role.sched.spec.draft.used_pages() == 0  # type: ignore[union-attr]
+        assert role.sched.stats().spec.acceptance_rate > 0.9
+        role.close()
 
 
 def test_draft_model_sampling_reproducible(models: dict) -> None:

@@ -231,9 +231,10 @@ def _tp1(cfg: EngineConfig) -> EngineConfig:
 
 def _counters(cache_kv: Any, decode_kv: Any, sched: Any) -> dict[str, int]:
     """The evidence a feature did something: host-tier loads (the prefix cache's side), retractions and
-    reloads (the decoding side), speculative drafts proposed and accepted."""
+    reloads (the decoding side), speculative drafts proposed and accepted, both pools FP8."""
     cache = cache_kv.cache
     loaded = getattr(cache, "loaded_bytes", {}).get("host", 0) if cache is not None else 0
     spec = sched.spec.stats() if sched.spec is not None else None
     return {"host_loaded_bytes": loaded, "retractions": decode_kv.retractions, "reloads": decode_kv.reloads,
-            "spec_proposed": spec.proposed_tokens if spec else 0, "spec_accepted": spec.accepted_tokens if spec else 0}
+            "spec_proposed": spec.proposed_tokens if spec else 0, "spec_accepted": spec.accepted_tokens if spec else 0,
+            "kv_fp8": int(cache_kv.pool.fp8 and decode_kv.pool.fp8)}

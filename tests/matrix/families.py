@@ -4,7 +4,12 @@
 Every model has the embedded model's tokenizer and its 49,152-token vocabulary (a grammar needs a tokenizer
 whose vocabulary fits the logits), 2-3 layers of hidden size 64, 4 query heads and 2 KV heads (TP 2 splits
 them), weights N(0, 0.2) so a wrong layer moves the argmax, written once into a directory the engine loads
-like any checkpoint."""
+like any checkpoint.
+
+Text from a random model over 49k tokens never repeats itself, so n-gram speculation (prompt lookup) would
+find nothing to propose: the output head's rows outside `ACTIVE` (128 ordinary tokens) are scaled down 20x,
+so greedy tokens come from those 128 (still chosen by the whole network: a wrong layer still moves the
+argmax) and the matrix's prompts are drawn from them too, as real text reuses its words."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import torch
 VOCAB = 49152
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+ACTIVE = range(1000, 1128)  # the token ids the output head favours (and the matrix's prompts use)
+OUTSIDE_SCALE = 0.05  # the output head's other rows, so they never win the argmax (yet never tie)
 KINDS = ("dense", "sliding", "moe", "mla", "hybrid")
 TITLES = {"dense": "dense GQA (Llama)", "sliding": "sliding window (Mistral, window 8)",
           "moe": "MoE (Qwen2-MoE, shared expert)", "mla": "MLA (DeepSeek-V3)",
@@ -51,7 +58,7 @@ def _config(kind: str):  # noqa: ANN202 - a transformers config
 def write_model(kind: str, dst: Path) -> Path:
     """A random-weight HF directory of `kind` at `dst` (fp32 safetensors + the embedded model's tokenizer):
     matrices N(0, 0.2) from a fixed seed, norms in [0.5, 1.5], the recurrent layers' own parameters as
-    transformers initialises them."""
+    transformers initialises them; the output head's rows outside ACTIVE scaled by OUTSIDE_SCALE."""
     from transformers import AutoModelForCausalLM
 
     from engine.models.embedded import resolve_model_path
@@ -65,6 +72,10 @@ def write_model(kind: str, dst: Path) -> Path:
                 p.uniform_(0.5, 1.5, generator=g)
             elif p.dim() > 1 and "conv1d" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        head = model.get_output_embeddings().weight
+        keep = torch.zeros(VOCAB, dtype=torch.bool)
+        keep[ACTIVE.start:ACTIVE.stop] = True
+        head[~keep] *= OUTSIDE_SCALE
     model.save_pretrained(dst)
     src = resolve_model_path("embedded")
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -14,13 +14,17 @@ Every engine serves the same waves (page size 4, 8 new tokens, greedy):
   2   P1 and P2 (40 tokens each) together: in a retraction engine's pool (22 pages) their growth retracts
       one; in a host-tier engine's pool (26 pages) P0's cached pages are evicted to the host tier
   3   P0 again: a host-tier engine loads its pages back from the host
+  4   retraction engines only: ten 4-token prompts together (SHORT): each is admitted on its prompt's page and
+      grows to 3 pages, 30 in all: some are retracted whatever the model (a sliding-window model's requests,
+      whose pages behind the window are freed, never outgrow the pool in waves 1-3)
 and each request's tokens are compared with the reference: the same model, colocated, TP 1, no feature (a
 grammar or a LoRA adapter is part of the reference when the request asks for it), one request at a time.
 
 Evidence that a feature did something (else the cell proves nothing and is a failure): speculation proposed
 drafts (a counter), the host tier loaded pages back (bytes), retraction retracted and reloaded (counters),
 the adapter changes the reference's tokens, a grammar's output matches its regex, a session pinned its KV,
-n > 1 gives two choices, logprobs come one per token within 1e-3 of the reference's.
+n > 1 gives two choices, logprobs come one per token within 1e-3 of the reference's, an FP8 engine's pools are
+FP8 (the prefill's and the decode's in PD).
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ from engine.sampling.params import SamplingParams
 from service.protocol import RequestError
 from service.sessions import SessionStore, attach_session, session_prompt
 from tests.matrix.engines import PD, Colocated, RankServer, Request, Served, tp_config
-from tests.matrix.families import KINDS, write_model
+from tests.matrix.families import ACTIVE, KINDS, write_model
 
-STARTUP = ("tp2", "pd", "ngram", "draft", "lora", "host", "priority", "retract")
+STARTUP = ("tp2", "pd", "ngram", "draft", "lora", "host", "priority", "retract", "fp8")
 REQUEST = ("sessions", "grammar", "n2", "logprobs")
 FEATURES = STARTUP + REQUEST
 NAMES = {"tp2": "TP 2", "pd": "PD", "ngram": "n-gram spec", "draft": "draft spec", "lora": "LoRA",
-         "host": "host tier", "priority": "priority", "retract": "retraction", "sessions": "sessions",
+         "host": "host tier", "priority": "priority", "retract": "retraction", "fp8": "FP8 KV cache",
+         "sessions": "sessions",
          "grammar": "grammar", "n2": "n > 1", "logprobs": "logprobs"}
 EXCLUSIVE = {frozenset({"ngram", "draft"}): "one --speculative method per engine"}
 STATUSES = ("works", "off", "refused", "fails", "n/a")
@@ -63,17 +68,18 @@ RETRACT_POOL = 88  # tokens: 22 pages; P1 + P2 prompts take 20, their 8 new toke
 HOST_POOL = 104  # tokens: 26 pages; P1 + P2 with their outputs take 24, so P0's cached pages go to the host
 PREFILL_HOST_POOL = 80  # tokens: 20 pages, P1's and P2's prompts: a PD prefill's P0 pages go to the host
 LOGPROB_ATOL = 1e-3
+FP8 = "fp8_e4m3"  # the fp8 feature's --kv-cache-dtype
 
 
-def _prompt(seed: int, n: int, cycle: int = 0) -> list[int]:
-    """n token ids in 100..20000; with `cycle`, a repeated cycle of that many (so n-gram speculation finds
-    earlier matches)."""
+def _prompt(seed: int, n: int) -> list[int]:
+    """n token ids from the models' ACTIVE set (see families.py: the tokens their output favours), so the
+    output's tokens often occur earlier in the prompt and n-gram speculation finds matches to propose."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(100, 20000, (cycle or n,), generator=g).tolist()
-    return (ids * (n // len(ids) + 1))[:n]
+    return torch.randint(ACTIVE.start, ACTIVE.stop, (n,), generator=g).tolist()
 
 
-P0, P1, P2 = _prompt(1, 24, 6), _prompt(2, 40, 5), _prompt(3, 40, 7)
+P0, P1, P2 = _prompt(1, 24), _prompt(2, 40), _prompt(3, 40)
+SHORT = [_prompt(200 + i, 4) for i in range(10)]  # wave 4: retraction engines only
 EXTRA = _prompt(4, 6)  # a session's second turn sends these new tokens
 
 
@@ -115,21 +121,24 @@ def build_models(root: Path, kinds: tuple[str, ...] = KINDS) -> list[Model]:
 
 
 class Reference:
-    """A model's reference tokens and logprobs per (prompt, grammar, adapter): colocated, TP 1, no other
-    feature, each request alone (the prefix cache flushed between them); computed on demand and kept."""
+    """A model's reference tokens and logprobs per (prompt, grammar, adapter, FP8 KV): colocated, TP 1, no other
+    feature, each request alone (the prefix cache flushed between them); computed on demand and kept. An FP8 KV
+    cell's reference stores its KV in FP8 too (the quantization's own error is issue 49's figure, not a cell's)."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.known: dict[tuple, tuple[list[int], list[float]]] = {}
-        self.engines: dict[bool, Colocated] = {}
+        self.engines: dict[tuple[bool, bool], Colocated] = {}
 
-    def get(self, ids: list[int], grammar: bool, lora: bool) -> tuple[list[int], list[float]]:
-        key = (tuple(ids), grammar, lora)
+    def get(self, ids: list[int], grammar: bool, lora: bool, fp8: bool = False) -> tuple[list[int], list[float]]:
+        key = (tuple(ids), grammar, lora, fp8)
         if key not in self.known:
-            if lora not in self.engines:
-                extra = {"lora_paths": (f"a={self.model.adapter}",), "max_lora_rank": 8} if lora else {}
-                self.engines[lora] = Colocated(EngineConfig(model=self.model.path, **ENGINE, **extra), None)
-            eng = self.engines[lora]
+            if (lora, fp8) not in self.engines:
+                extra: dict[str, Any] = {"lora_paths": (f"a={self.model.adapter}",), "max_lora_rank": 8} if lora else {}
+                if fp8:
+                    extra["kv_cache_dtype"] = FP8
+                self.engines[(lora, fp8)] = Colocated(EngineConfig(model=self.model.path, **ENGINE, **extra), None)
+            eng = self.engines[(lora, fp8)]
             out = Served()
             fields = {"return_logprob": True, **({"lora": "a"} if lora else {})}
             eng.serve([Request("ref", list(ids), GRAMMAR if grammar else GREEDY, fields)], out)
@@ -194,6 +203,8 @@ def engine_config(model: Model, startup: frozenset) -> EngineConfig:
         kw["enable_priority_scheduling"] = True
     if "retract" in startup:
         kw |= {"max_total_tokens": RETRACT_POOL, "new_token_ratio": 0.0}
+    if "fp8" in startup:
+        kw["kv_cache_dtype"] = FP8
     return tp_config(EngineConfig(**kw))
 
 
@@ -281,8 +292,11 @@ class Waves:
         return ""
 
     def plain_waves(self) -> None:
-        """Waves 1-3: P0; P1 and P2 together; P0 again."""
-        for wave in ([("p0", P0, 1)], [("p1", P1, 0), ("p2", P2, 5)], [("p0b", P0, 1)]):
+        """Waves 1-3: P0; P1 and P2 together; P0 again. Wave 4 in a retraction engine: SHORT together."""
+        waves = [[("p0", P0, 1)], [("p1", P1, 0), ("p2", P2, 5)], [("p0b", P0, 1)]]
+        if "retract" in self.startup:
+            waves.append([(f"r{i}", ids, i % 3) for i, ids in enumerate(SHORT)])
+        for wave in waves:
             reqs = []
             for rid, ids, prio in wave:
                 req, check = self.request(rid, ids, frozenset(), prio)
@@ -352,7 +366,7 @@ class Verdict:
     note: str = ""
 
 
-def _check(model: Model, run: EngineRun, c: Check, lora: bool) -> str:
+def _check(model: Model, run: EngineRun, c: Check, lora: bool, fp8: bool) -> str:
     """"" when request `c` served its reference (and its own feature's evidence), else why not."""
     served = run.served
     done = served.done.get(c.key)
@@ -360,7 +374,7 @@ def _check(model: Model, run: EngineRun, c: Check, lora: bool) -> str:
         return f"{c.key}: no answer"
     if done.error is not None:
         return f"{c.key}: {done.error_code} {clean(done.error, model.path)}"
-    want, want_lp = model.ref.get(c.ids, c.grammar, lora)
+    want, want_lp = model.ref.get(c.ids, c.grammar, lora, fp8)
     for i in range(c.n):
         key = c.key if i == 0 else f"{c.key}#{i}"
         got = served.tokens.get(key)
@@ -394,6 +408,8 @@ def _evidence(model: Model, run: EngineRun, feature: str) -> str:
             return "no request was retracted"
         if k["reloads"] != k["retractions"]:
             return f"{k['retractions']} retractions but {k['reloads']} reloads"
+    if feature == "fp8" and not k.get("kv_fp8"):
+        return "the KV pool is not FP8"
     if feature == "lora" and not model.ref.adapter_changes_tokens():
         return "the adapter changes no token"
     return ""
@@ -420,7 +436,7 @@ def judge(model: Model, runs: dict[frozenset, EngineRun], cell: frozenset) -> Ve
     if checks is None:
         return Verdict("fails", "the matrix ran no request for this cell")
     for c in checks:
-        why = _check(model, run, c, lora)
+        why = _check(model, run, c, lora, "fp8" in startup)
         if why:
             return Verdict("fails", why)
     for f in sorted(startup):

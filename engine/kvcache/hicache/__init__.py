@@ -9,6 +9,7 @@ copies), disk.py (page files keyed by chained page hash, checksummed).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +46,10 @@ def spec_for_server(cfg: Any) -> HiCacheSpec | None:  # noqa: ANN401 (a service.
     return HiCacheSpec.from_config(cfg.engine, f"{cfg.role}-{cfg.port or os.getpid()}")
 
 
-def build_cache(spec: HiCacheSpec, pool: KVPool) -> HiRadixCache:
-    """The tiered prefix cache over `pool`: a host tier of spec.host_tokens, a disk tier if a dir is set."""
-    host = HostTier(pool, spec.host_tokens)
+def build_cache(spec: HiCacheSpec, pool: KVPool, tier: Callable[[KVPool, int], HostTier] = HostTier) -> HiRadixCache:
+    """The tiered prefix cache over `pool`: a host tier of spec.host_tokens (made by `tier`: under TP, rank 0's
+    runner passes one whose copies run on every rank), a disk tier if a dir is set."""
+    host = tier(pool, spec.host_tokens)
     disk = None
     if spec.disk_dir:
         layout = f"{tuple(pool.buffer.shape[1:])}/{pool.buffer.dtype}"
