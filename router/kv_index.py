@@ -10,6 +10,13 @@ request's chained hashes (common.kv_hashing.block_hashes) until the worker lacks
      number; when the replay cannot cover the gap (no replay socket, or the worker's buffer moved on),
      the worker's entries are cleared (`stale_clears`), since removals may have been missed.
 A worker that is ejected, removed or advertises another endpoint loses its entries (`forget`).
+
+Routed, not yet reported: a request's blocks are stored only once its prefill ran, and its events arrive after
+that; a burst of requests with one prefix would each find no worker holding it and scatter. So the router
+records the blocks of each request it routes to a worker (`record_routed`) as pending there for PENDING_S;
+lookups count a pending block as held on the device, the worker's own BlockStored or BlockRemoved for it
+replaces the guess, and an unconfirmed guess expires (a request that failed, or whose pages were evicted before
+they were reported).
 The index is plain Python on the event loop (no locks); `KVSubscribers` runs one zmq.asyncio SUB task
 per worker that advertises `kv_events` in /server_info.
 """
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -33,6 +42,7 @@ log = logging.getLogger("router.kv_index")
 GPU, CPU = "GPU", "CPU"
 END_SEQ = -1
 REPLAY_TIMEOUT_S = 2.0
+PENDING_S = 10.0  # how long a routed request's blocks count as held before the worker's events confirm them
 
 
 class ExactPrompt(NamedTuple):
@@ -60,17 +70,29 @@ class WorkerBlocks:
     restarts: int = 0
     predicted_tokens: int = 0
     reported_tokens: int = 0
+    pending: dict[int, float] = field(default_factory=dict)  # hash -> expiry: routed here, not yet reported
+    expiries: deque = field(default_factory=deque)  # (expiry, hash) in expiry order, to drop the stale ones
 
     def clear(self) -> None:
         for blocks in self.media.values():
             blocks.clear()
+        self.pending.clear()
+        self.expiries.clear()
+
+    def expire(self, now: float) -> None:
+        """Drop the pending blocks whose time ran out unconfirmed."""
+        q, pending = self.expiries, self.pending
+        while q and q[0][0] <= now:
+            t, h = q.popleft()
+            if pending.get(h) == t:
+                del pending[h]
 
     def to_json(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "block_size": self.block_size,
                 "blocks": {m: len(b) for m, b in self.media.items()},
                 "last_seq": None if self.next_seq is None else self.next_seq - 1, "events": self.events,
                 "batches": self.batches, "gaps": self.gaps, "replays": self.replays,
-                "stale_clears": self.stale_clears, "restarts": self.restarts,
+                "stale_clears": self.stale_clears, "restarts": self.restarts, "pending_blocks": len(self.pending),
                 "predicted_cached_tokens": self.predicted_tokens, "reported_cached_tokens": self.reported_tokens}
 
 
@@ -154,10 +176,12 @@ class KVIndex:
                 for h in f[0]:
                     blocks[h] = parent
                     parent = h
+                    w.pending.pop(h, None)  # reported: no longer a guess
             elif tag == "BlockRemoved":
                 blocks = media.setdefault(f[1] or GPU, {})
                 for h in f[0]:
                     blocks.pop(h, None)
+                    w.pending.pop(h, None)
             elif tag == "AllBlocksCleared":
                 w.clear()
 
@@ -180,10 +204,12 @@ class KVIndex:
         w = self.workers.get(url)
         if w is None:
             return 0, 0
-        gpu, cpu = w.media[GPU], w.media[CPU]
-        if not hashes or (hashes[0] not in gpu and hashes[0] not in cpu):
+        gpu, cpu, pending = w.media[GPU], w.media[CPU], w.pending
+        if pending:
+            w.expire(time.monotonic())
+        if not hashes or (hashes[0] not in gpu and hashes[0] not in cpu and hashes[0] not in pending):
             return 0, 0  # the common case: not even the first page
-        device = _held_prefix(hashes, 0, gpu)
+        device = _held_prefix(hashes, 0, gpu, pending) if pending else _held_prefix(hashes, 0, gpu)
         either = _held_prefix(hashes, device, cpu, gpu) if cpu else device
         return device, either - device
 
@@ -202,6 +228,26 @@ class KVIndex:
             if memo is not None:
                 memo[key] = hashes
         return (*self.longest_prefix(url, hashes), w.block_size)
+
+    def record_routed(self, url: str, prompt: ExactPrompt, loras: frozenset[str] = frozenset(),
+                      memo: dict[tuple[int, str], list[int]] | None = None, now: float | None = None) -> None:
+        """The request was routed to the worker at `url`: its whole pages count as held there (pending) until
+        the worker reports them or PENDING_S pass. Nothing for a worker without events."""
+        w = self.workers.get(url)
+        if w is None or not w.block_size:
+            return
+        key = (w.block_size, namespace(prompt.adapter if prompt.adapter in loras else "", prompt.cache_salt))
+        hashes = memo.get(key) if memo is not None else None
+        if hashes is None:
+            hashes = block_hashes(prompt.token_ids, *key)
+        now = time.monotonic() if now is None else now
+        w.expire(now)
+        t = now + PENDING_S
+        gpu = w.media[GPU]
+        for h in hashes:
+            if h not in gpu:
+                w.pending[h] = t
+                w.expiries.append((t, h))
 
     def held_tokens(self, url: str) -> int | None:
         """Tokens the worker at `url` holds on its device (blocks x block size; None: no events from it)."""

@@ -95,6 +95,12 @@ class CacheAware:
                 return (device + HOST_WEIGHT * host) * size / len(exact.token_ids)
         return self.index.matched(w.url, chain) / len(chain) if chain else 0.0
 
+    def predicted(self, url: str) -> int:
+        """The prompt tokens the KV index predicted the last pick's worker at `url` holds on its device (0: none,
+        or no index): the proxy leases a prefill for the tokens it computes, so `outstanding_tokens` is queued
+        work, not queued prompt length (a queue of cached turns is short)."""
+        return self._predicted.get(url, 0)
+
     def held(self, w: Worker) -> int:
         """Prompt tokens `w` holds, the tie-break's measure (fewer: more room for a new prefix): its device
         blocks x block size when it publishes KV events, else its approximate tree's characters / CHARS_PER_TOKEN."""
@@ -140,6 +146,8 @@ class CacheAware:
         self.index.insert(chosen.url, chain)
         if self.kv is not None and self.predicts and chosen.url in self._predicted:
             self.kv.record_predicted(chosen.url, self._predicted[chosen.url])
+        if self.kv is not None and exact is not None and exact.token_ids:
+            self.kv.record_routed(chosen.url, exact, chosen.loras, self._memo)  # held there once its prefill runs
         return chosen
 
 

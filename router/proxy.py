@@ -152,6 +152,7 @@ class Picks:
     d: Worker
     room: int
     e: Worker | None = None
+    p_cached: int = 0  # prompt tokens the prefill policy predicts P holds (its KV index): P's lease counts the rest
 
     def sides(self) -> dict[str, Worker]:
         sides = {"prefill": self.p, "decode": self.d}
@@ -260,6 +261,11 @@ class Proxy:
         return await self.prompt_ids.with_ids(req, self.kv_index)
 
     # ---- pairing and retries ------------------------------------------------------------------------
+    def _predicted_cached(self, p: Worker) -> int:
+        """The prompt tokens the prefill policy's last pick predicted `p` holds (0 without a KV index)."""
+        predicted = getattr(self.policies["prefill"], "predicted", None)
+        return predicted(p.url) if predicted is not None else 0
+
     async def _pick(
         self, role: str, prefix: str, tried: set[str], refused: Refusals, span: Any = None, adapter: str = "",
         exact: ExactPrompt | None = None,
@@ -313,11 +319,12 @@ class Proxy:
                 try:
                     adapter = lora.adapter_of(req)
                     p = await self._pick("prefill", req.prefix, tried["prefill"], refused, span, adapter, req.exact)
+                    p_cached = self._predicted_cached(p)  # read before the next await: another pick replaces it
                     d = await self._pick("decode", req.prefix, tried["decode"], refused, span, adapter, req.exact)
                     enc = await self._pick_encoder(req, tried["encoder"], refused, span) if req.images else None
                     if n:  # a retry is an attempt made again (not one every worker refused before it began)
                         self.metrics.retries.inc()
-                    w = Picks(p, d, secrets.randbits(63), enc)
+                    w = Picks(p, d, secrets.randbits(63), enc, p_cached)
                     path = "pd" if enc is None else "epd"
                     if span is not None:
                         span.set_attributes({**w.urls(), "room": w.room})
@@ -428,7 +435,8 @@ class Proxy:
             self.kv_index.record_reported(p.url, cached_tokens_of(p_task.result().body))
 
     def _prefill_busy(self, p: Worker) -> bool:
-        """The picked prefill's outstanding prompt tokens (before this request's) reach the bound."""
+        """The picked prefill's outstanding prompt tokens to compute (before this request's; the KV index's
+        predicted cached tokens left out) reach the bound."""
         bound = self.local_prefill_queue_tokens
         busy = bound > 0 and p.outstanding_tokens >= bound
         if busy:
@@ -460,7 +468,8 @@ class Proxy:
             e_task = asyncio.ensure_future(self._post_json(w.e, req.endpoint, req.encoder_body(*encoder, room), 0, tp))
         here = encoder is None and self._prefill_busy(p)  # the prefill that E sends to must be the one that runs it
         p_task = asyncio.ensure_future(
-            self._post_json(p, req.endpoint, req.prefill_body(host, port, room, encoder), req.prompt_tokens, tp)
+            self._post_json(p, req.endpoint, req.prefill_body(host, port, room, encoder),
+                            max(0, req.prompt_tokens - w.p_cached), tp)  # the tokens P computes
         )
         d_task = asyncio.ensure_future(
             call_decode(

@@ -216,10 +216,12 @@ def test_ties_go_to_the_worker_holding_fewest_tokens_by_its_events():
     assert ca.held(a) == 40 and ca.held(b) == 8
     assert ca.pick([a, b], "y" * 64, exact) is b  # the tree's size would pick a
     assert ca.held(c) == 0  # no events, empty tree
-    assert ca.pick([a, b, c], "z" * 64, exact) is c
+    assert ca.pick([a, b], "y" * 64, exact) is b  # routed there a moment ago: pending on b
+    other = ExactPrompt(list(range(600, 632)))  # a prompt nobody holds or was sent
+    assert ca.pick([a, b, c], "z" * 64, other) is c
     assert ca.held(c) == 64 // 4  # the picked prompt's 64 characters in its tree: ~16 tokens
     b.outstanding_requests = 1  # load first, then the tokens held
-    assert ca.pick([a, b], "v" * 64, exact) is a
+    assert ca.pick([a, b], "v" * 64, ExactPrompt(list(range(700, 732)))) is a
 
 
 def test_with_events_everywhere_the_pick_weighs_what_is_cached_against_the_queue():
@@ -238,3 +240,34 @@ def test_with_events_everywhere_the_pick_weighs_what_is_cached_against_the_queue
     assert kv.workers[a.url].predicted_tokens == 48
     a.outstanding_tokens = 100  # 100 + 16 > 0 + 64: the idle worker computes it all sooner
     assert ca.pick([a, b], "p", exact) is b
+
+
+def test_routed_blocks_count_until_the_worker_reports_or_they_expire():
+    """A burst with one prefix: the first request's blocks are not reported yet when the second is routed, so
+    the index counts them as pending where the first went; the worker's BlockStored replaces the guess, a
+    BlockRemoved drops it, and an unconfirmed guess expires after PENDING_S."""
+    from router.kv_index import PENDING_S
+
+    a, b = _worker("http://a:1"), _worker("http://b:1")
+    kv = KVIndex()
+    for w in (a, b):
+        kv.worker(w.url, f"tcp://{w.url[7:8]}:1", PAGE)
+    ca = CacheAware(PrefixIndex(block_chars=8), kv=kv, predicts=True)
+    ids = list(range(64))
+    h = block_hashes(ids, PAGE)
+    exact = ExactPrompt(ids)
+    first = ca.pick([a, b], "p", exact)
+    assert kv.longest_prefix(first.url, h) == (16, 0)  # pending: nothing reported yet
+    first.outstanding_tokens, first.outstanding_requests = 32, 1
+    assert ca.pick([a, b], "p", exact) is first  # 32 queued + 0 to compute beats 0 + 64 on the other
+    assert kv.workers[first.url].predicted_tokens == 64
+    kv.apply_batch(first.url, 0, _batch(_stored(h[:8])))  # reported: half of it
+    assert len(kv.workers[first.url].pending) == 8 and kv.longest_prefix(first.url, h) == (16, 0)
+    kv.apply_batch(first.url, 1, _batch(["BlockRemoved", h[8:10], GPU]))  # evicted before it was reported
+    assert kv.longest_prefix(first.url, h) == (8, 0)
+    w = kv.workers[first.url]
+    w.expire(time.monotonic() + PENDING_S + 1)  # the rest was never confirmed
+    assert not w.pending and kv.longest_prefix(first.url, h) == (8, 0)
+    assert w.to_json()["pending_blocks"] == 0
+    kv.record_routed("http://none:1", exact)  # a worker without events: nothing recorded
+    assert "http://none:1" not in kv.workers
