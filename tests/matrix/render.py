@@ -46,8 +46,9 @@ Features: TP2 = `--tp 2` (rank 1 a spawned process over gloo); PD = a prefill an
 (the decode at TP 2 in TP2+PD); ngram / draft = `--speculative ngram|draft` (the draft: the dense model);
 LoRA = a random rank-4 adapter on q/k/v/o, every request using it; host = `--hicache-host-tokens`;
 prio = `--enable-priority-scheduling` with requests of different priorities; retract = a KV pool too small
-for the batch; fp8 = `--kv-cache-dtype fp8_e4m3` (its reference: the same model with an FP8 KV cache); sess = a session's second turn (SessionStore); gram = a regex; n>1 = n=2; logp =
-return_logprob. How the cells run and what each proves: `tests/matrix/matrix.py`.
+for the batch (and a wave of ten short prompts that outgrow it); fp8 = `--kv-cache-dtype fp8_e4m3` (its reference:
+the same model with an FP8 KV cache); sess = a session's second turn (SessionStore); gram = a regex; n>1 = n=2;
+logp = return_logprob. How the cells run and what each proves: `tests/matrix/matrix.py`.
 """
 
 
