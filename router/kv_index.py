@@ -122,6 +122,19 @@ def _held_prefix(hashes: list[int], lo: int, a: dict, b: dict | None = None) -> 
     return lo
 
 
+def _hashes(w: WorkerBlocks, prompt: ExactPrompt, loras: frozenset[str],
+            memo: dict[tuple[int, str], list[int]] | None) -> list[int]:
+    """The prompt's page hashes as worker `w` names them: its block size and namespace (the adapter counts only
+    when the worker holds it); `memo` shares them between the workers of one pick."""
+    key = (w.block_size, namespace(prompt.adapter if prompt.adapter in loras else "", prompt.cache_salt))
+    hashes = memo.get(key) if memo is not None else None
+    if hashes is None:
+        hashes = block_hashes(prompt.token_ids, *key)
+        if memo is not None:
+            memo[key] = hashes
+    return hashes
+
+
 class KVIndex:
     """Every worker's blocks, by URL (see the module docstring for the sequence rules)."""
 
@@ -221,13 +234,7 @@ class KVIndex:
         w = self.workers.get(url)
         if w is None or not w.block_size:
             return None
-        key = (w.block_size, namespace(prompt.adapter if prompt.adapter in loras else "", prompt.cache_salt))
-        hashes = memo.get(key) if memo is not None else None
-        if hashes is None:
-            hashes = block_hashes(prompt.token_ids, *key)
-            if memo is not None:
-                memo[key] = hashes
-        return (*self.longest_prefix(url, hashes), w.block_size)
+        return (*self.longest_prefix(url, _hashes(w, prompt, loras, memo)), w.block_size)
 
     def record_routed(self, url: str, prompt: ExactPrompt, loras: frozenset[str] = frozenset(),
                       memo: dict[tuple[int, str], list[int]] | None = None, now: float | None = None) -> None:
@@ -236,10 +243,7 @@ class KVIndex:
         w = self.workers.get(url)
         if w is None or not w.block_size:
             return
-        key = (w.block_size, namespace(prompt.adapter if prompt.adapter in loras else "", prompt.cache_salt))
-        hashes = memo.get(key) if memo is not None else None
-        if hashes is None:
-            hashes = block_hashes(prompt.token_ids, *key)
+        hashes = _hashes(w, prompt, loras, memo)
         now = time.monotonic() if now is None else now
         w.expire(now)
         t = now + PENDING_S

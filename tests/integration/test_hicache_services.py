@@ -1,6 +1,7 @@
-"""HiCache through real services (issue 39): a colocated service and a prefill/decode pair (real UCX),
-each with a host tier (the colocated one also a disk tier) over a KV pool far smaller than the
-conversations' KV, on the tiny random-weight model with the embedded tokenizer.
+"""HiCache through real services (issue 39): a colocated service and a prefill/decode pair (real UCX; the
+prefill at --tp 2, its host tier's stores and loads run on both ranks: issue 51), each with a host tier (the
+colocated one also a disk tier) over a KV pool far smaller than the conversations' KV, on the tiny
+random-weight model with the embedded tokenizer.
 
 Checked: multi-turn greedy outputs equal the same prompts computed from scratch (after /flush_cache)
 and the PD pair's equal the colocated service's; host (and disk) hits show in cached_tokens,
@@ -55,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     try:
         procs["colo"], _ = start_service("colocated", "--model", model, *POOL, *tier, "--hicache-dir", disk,
                                          "--hicache-disk-bytes", str(1 << 20))
-        procs["pre"], boot = start_service("prefill", "--model", model, *POOL, *tier, *PATIENT)
+        procs["pre"], boot = start_service("prefill", "--model", model, *POOL, *tier, *PATIENT, "--tp", "2")
         procs["dec"], _ = start_service("decode", "--model", model, *POOL, *tier, *PATIENT,
                                         "--local-prefill-threshold", "0")
         for p in procs.values():
@@ -110,7 +111,7 @@ def test_pd_pair_reuses_host_tier_on_both_sides(stack, colo_run) -> None:
     pair: Pair = stack["pair"]
     (prompts, outs, _), _ = colo_run
     run = _chat(lambda ids: _out(pd_call(pair, "/generate", _body(ids))[1]))
-    assert run[1] == outs  # PD with tiers == colocated with tiers == from scratch
+    assert run[1] == outs  # PD with tiers (the prefill at TP 2) == colocated with tiers == from scratch
     pre, dec = wait_idle(pair.prefill), wait_idle(pair.decode)
     assert pre["hicache"]["hit_tokens"]["host"] > 0
     assert dec["hicache"]["hit_tokens"]["host"] > 0  # the decode loaded them and named them to the prefill

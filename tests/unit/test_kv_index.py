@@ -224,14 +224,19 @@ def test_ties_go_to_the_worker_holding_fewest_tokens_by_its_events():
     assert ca.pick([a, b], "v" * 64, ExactPrompt(list(range(700, 732)))) is a
 
 
-def test_with_events_everywhere_the_pick_weighs_what_is_cached_against_the_queue():
-    """Every candidate publishes events: the pick is the least work before the first token, the worker's
-    outstanding tokens plus the prompt tokens it would compute (overlap against load)."""
+def _pair_with_events() -> tuple[Worker, Worker, KVIndex, CacheAware]:
+    """Workers a and b, both publishing events into one index, and the prefill policy over it."""
     a, b = _worker("http://a:1"), _worker("http://b:1")
     kv = KVIndex()
     for w in (a, b):
         kv.worker(w.url, f"tcp://{w.url[7:8]}:1", PAGE)
-    ca = CacheAware(PrefixIndex(block_chars=8), kv=kv, predicts=True)
+    return a, b, kv, CacheAware(PrefixIndex(block_chars=8), kv=kv, predicts=True)
+
+
+def test_with_events_everywhere_the_pick_weighs_what_is_cached_against_the_queue():
+    """Every candidate publishes events: the pick is the least work before the first token, the worker's
+    outstanding tokens plus the prompt tokens it would compute (overlap against load)."""
+    a, b, kv, ca = _pair_with_events()
     ids = list(range(64))
     kv.apply_batch(a.url, 0, _batch(_stored(block_hashes(ids[:48], PAGE))))  # a holds 48 of the 64
     exact = ExactPrompt(ids)
@@ -248,11 +253,7 @@ def test_routed_blocks_count_until_the_worker_reports_or_they_expire():
     BlockRemoved drops it, and an unconfirmed guess expires after PENDING_S."""
     from router.kv_index import PENDING_S
 
-    a, b = _worker("http://a:1"), _worker("http://b:1")
-    kv = KVIndex()
-    for w in (a, b):
-        kv.worker(w.url, f"tcp://{w.url[7:8]}:1", PAGE)
-    ca = CacheAware(PrefixIndex(block_chars=8), kv=kv, predicts=True)
+    a, b, kv, ca = _pair_with_events()
     ids = list(range(64))
     h = block_hashes(ids, PAGE)
     exact = ExactPrompt(ids)
