@@ -18,7 +18,8 @@ Every engine serves the same waves (page size 4, 8 new tokens, greedy):
       grows to 3 pages, 30 in all: some are retracted whatever the model (a sliding-window model's requests,
       whose pages behind the window are freed, never outgrow the pool in waves 1-3)
 and each request's tokens are compared with the reference: the same model, colocated, TP 1, no feature (a
-grammar or a LoRA adapter is part of the reference when the request asks for it), one request at a time.
+grammar or a LoRA adapter is part of the reference when the request asks for it, an FP8 KV cache when the
+engine has one), one request at a time.
 
 Evidence that a feature did something (else the cell proves nothing and is a failure): speculation proposed
 drafts (a counter), the host tier loaded pages back (bytes), retraction retracted and reloaded (counters),
