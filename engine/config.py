@@ -390,6 +390,8 @@ class EngineConfig:
     session_timeout_s: float = option(300.0, "seconds a session (POST /open_session) may stay idle before it is "
                                       "closed and its pinned KV released", group=PRIORITY, name="--session-timeout",
                                       roles=("colocated",))
+    # not a flag: False for a PD prefill's runner, which never decodes (so no verify share of state slots)
+    decodes: bool = True
 
     def __post_init__(self) -> None:
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"),
@@ -476,6 +478,15 @@ class EngineConfig:
         if not self.prefix_cache:
             return 0
         return self.state_request_slots if self.state_cache_slots < 0 else self.state_cache_slots
+
+    @property
+    def state_verify_slots(self) -> int:
+        """A hybrid model's state slots for speculative verifies: the state after each draft position (K
+        per speculating request, at most --speculative-max-batch of them), so a rejected draft rolls the
+        state back to its last kept token (0 without --speculative; engine/extras/speculative/states.py)."""
+        if not self.spec.on or not self.decodes:
+            return 0
+        return self.spec.k * min(self.spec.speculative_max_batch, self.state_request_slots)
 
     @property
     def num_pages(self) -> int:

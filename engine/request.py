@@ -129,6 +129,10 @@ class SpecState:
     draft: list[int] = field(default_factory=list)  # tokens proposed for this step ([] = a plain decode)
     draft_probs: Any = None  # draft model, sampling: fp32 [len(draft), V], the q each was drawn from
     accepted: int = -1  # drafts the last verify accepted (-1: none verified since the last settle)
+    # hybrid models: the state slots taking the recurrent state after each draft position but the last
+    # (engine/extras/speculative/states.py), held from before the verify to its settle
+    states: list[int] = field(default_factory=list)
+    base: int = 0  # kv_len before the verify those slots belong to
     proposed_total: int = 0
     accepted_total: int = 0
     rate: float = 1.0  # running acceptance (an average over recent verifies)

@@ -39,6 +39,7 @@ forward) -> postprocess (send each chunk's pages) -> poll inflight -> report (dr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -381,7 +382,7 @@ def run_prefill_worker(cfg: ServerConfig,
                        make_runner: Callable[[EngineConfig], ModelRunner] = tp_runner.make_runner) -> None:
     """The prefill worker process; `make_runner` builds the model runner (tests pass a wrapper)."""
     setup_process(cfg)
-    runner = make_runner(cfg.engine)
+    runner = make_runner(dataclasses.replace(cfg.engine, decodes=False))  # no state slots for verifies
     mgr = make_transfer_manager(cfg, runner, "prefill")
     kv = KVManager.for_runner(runner, cfg.engine.prefix_cache, spec_for_server(cfg))
     images = ImageRooms.for_server(cfg, runner.model_cfg, runner.device, runner.dtype)  # E/P/D landing

@@ -44,7 +44,7 @@ PREFIX = "pdserve_worker_"
 # numbers of the worker's static description exported as gauges pdserve_worker_<key>
 INFO_GAUGES = ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "context_length", "page_size",
                "max_total_tokens", "host_kv_tokens", "kv_bytes_per_token", "bootstrap_port", "state_slots",
-               "state_bytes_per_slot", "state_snapshot_slots")
+               "state_bytes_per_slot", "state_snapshot_slots", "state_verify_slots")
 
 Value = float | dict[str, float] | Histo | None
 

@@ -34,10 +34,11 @@ def integration_helpers() -> None:
 
 
 @contextlib.contextmanager
-def router_stack(model: Path, prefill_args: tuple[str, ...] = (), decodes: int = 1) -> Iterator[dict]:
+def router_stack(model: Path, prefill_args: tuple[str, ...] = (), decodes: int = 1,
+                 decode_args: tuple[str, ...] = ()) -> Iterator[dict]:
     """Real processes on `model`: a colocated service ("colo"), a prefill ("pre", with `prefill_args`), a
-    decode ("dec"; `decodes` 2: a second one, "dec2") and the router over them ("router"), all healthy;
-    stopped on exit."""
+    decode ("dec", with `decode_args`; `decodes` 2: a second one, "dec2") and the router over them
+    ("router"), all healthy; stopped on exit."""
     integration_helpers()
     from pd_harness import start_service  # tests/integration's: real service processes
     from router_harness import start_router
@@ -49,7 +50,7 @@ def router_stack(model: Path, prefill_args: tuple[str, ...] = (), decodes: int =
         procs["pre"], _ = start_service("prefill", *common, *prefill_args, "--bootstrap-timeout", "300")
         names = ["dec", "dec2"][:decodes]
         for name in names:
-            procs[name], _ = start_service("decode", *common, "--waiting-timeout", "300")
+            procs[name], _ = start_service("decode", *common, *decode_args, "--waiting-timeout", "300")
         for p in procs.values():
             p.wait_healthy(300)
         procs["router"] = start_router(["--prefill", procs["pre"].url,

@@ -22,6 +22,7 @@ import torch
 
 from engine.extras import features, multimodal
 from engine.extras.lora.batch import Adapter
+from engine.extras.speculative.states import PositionStates
 from engine.extras.speculative.verify import verify
 from engine.forward.forward_batch import (
     LOGITS_ALL,
@@ -168,6 +169,8 @@ def _segments(extend: list[ExtendItem], decode: list[Req]) -> list[Segment]:
             extras = (*extras, *multimodal.prepare(r.mm, r.kv.kv_len, 1 + len(draft), prompt=False))
         if r.lora:
             extras = (*extras, Adapter(r.lora))
+        if r.spec.states:  # a hybrid model's verify: the state after each position (speculative/states.py)
+            extras = (*extras, PositionStates(tuple(r.spec.states)))
         segments.append(Segment(r.kv.pages, r.kv.kv_len, r.token_ids[-1:] + draft,
                                 LOGITS_ALL if draft else LOGITS_LAST, 0, extras, r.kv.state_slot))
     return segments

@@ -63,6 +63,10 @@ def draft_engine_config(cfg):  # noqa: ANN001, ANN201
 class DraftProposer:
     def __init__(self, target: ModelRunner, cfg, sampler: Sampler) -> None:  # noqa: ANN001
         self.runner = ModelRunner(draft_engine_config(cfg))
+        need(self.runner.states is None,
+             f"--draft-model {cfg.spec.draft_model} ({self.runner.model_cfg.model_type}) has recurrent layers: a draft "
+             "model must be attention-only (its proposals would need their own state checkpoints); a hybrid target "
+             "takes an attention-only draft, or --speculative ngram")
         need(self.runner.model_cfg.vocab_size == target.model_cfg.vocab_size,
              f"--draft-model's vocabulary ({self.runner.model_cfg.vocab_size}) must be the target's "
              f"({target.model_cfg.vocab_size})")

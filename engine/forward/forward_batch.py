@@ -62,6 +62,9 @@ class ForwardBatch:
     logit_rows: list[int]  # rows of the final hidden states the LM head reads, in order
     picks: list[int | slice | None]  # [B] each segment's logits among them: a row, rows, or none
     state_slots: list[int] | None = None  # [B] each segment's recurrent-state slot (None: no segment has one)
+    # [B] a speculative verify's slots taking the state after each of its positions but the last (() for the
+    # other segments; None: no segment has them; engine/extras/speculative/states.py)
+    state_checkpoints: list[tuple[int, ...]] | None = None
     # extras' inputs (None: no segment has one)
     adapters: list[str] | None = None  # [B] LoRA adapter of each segment ("" = the base model)
     embeds: list[tuple[int, torch.Tensor]] | None = None  # (first row, float32 [n, H]) replacing the ids' embeddings

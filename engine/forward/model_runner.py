@@ -119,9 +119,7 @@ class ModelRunner:
         if spec_of is None:
             return None
         cfg, what = self.cfg, f"{self.model_path} ({self.model_cfg.model_type}) has recurrent layers"
-        refused = [(bool(cfg.spec.speculative), "--speculative (a rejected draft would need the state "
-                    "before it: per-position state checkpoints are not implemented)"),
-                   (bool(cfg.lora_paths or cfg.max_loaded_loras), "LoRA adapters (--lora-paths, --max-loaded-loras)"),
+        refused = [(bool(cfg.lora_paths or cfg.max_loaded_loras), "LoRA adapters (--lora-paths, --max-loaded-loras)"),
                    (bool(cfg.hicache_host_tokens), "--hicache-host-tokens (their prefix cache restarts from recurrent-"
                     "state snapshots, which live only on the device: a prefix brought back from the host would have "
                     "no state at its end)")]
@@ -135,10 +133,11 @@ class ModelRunner:
             raise ValueError(f"{what}; their prefix cache snapshots the state at multiples of "
                              f"--state-snapshot-interval ({cfg.state_snapshot_interval}), which must be a multiple of "
                              f"--page-size ({cfg.page_size}) (or --state-cache-slots 0: no prefix cache for them)")
-        pool = shard.state_pool(spec, slots + snaps, self.device)
-        log.info("recurrent state: %d slots for requests + %d for prefix-cache snapshots (every %d tokens), "
-                 "%.2f MB each (%d parts)", slots, snaps, cfg.state_snapshot_interval, pool.slot_bytes / 2**20,
-                 len(spec.parts))
+        verify = cfg.state_verify_slots  # --speculative: the state after each draft position
+        pool = shard.state_pool(spec, slots + snaps + verify, self.device)
+        log.info("recurrent state: %d slots for requests + %d for prefix-cache snapshots (every %d tokens) + %d for "
+                 "speculative verifies, %.2f MB each (%d parts)", slots, snaps, cfg.state_snapshot_interval, verify,
+                 pool.slot_bytes / 2**20, len(spec.parts))
         return pool
 
     @property
@@ -186,7 +185,8 @@ class ModelRunner:
                              f"(Segment.slot), got {batch.state_slots}")
         starts = [s - n for s, n in zip(batch.seq_lens, batch.new_lens)]
         return StateBatch(self.states, torch.tensor(batch.state_slots, dtype=torch.long, device=self.device),
-                          batch.new_lens, [s > 0 for s in starts], triton=self.triton)
+                          batch.new_lens, [s > 0 for s in starts], triton=self.triton,
+                          checkpoints=batch.state_checkpoints)
 
     @torch.inference_mode()
     def _input_embeds(self, ids: torch.Tensor, embeds: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -247,6 +247,8 @@ class ModelRunner:
             "kv_cache_dtype": self.pool.kv_cache_dtype,  # fp8_e4m3, or the model dtype (--kv-cache-dtype auto)
             "state_slots": 0 if self.states is None else self.states.capacity,  # hybrid models' recurrent state
             "state_bytes_per_slot": 0 if self.states is None else self.states.slot_bytes,
-            "state_snapshot_slots": 0 if self.states is None else self.states.capacity - self.cfg.state_request_slots,
+            "state_snapshot_slots": 0 if self.states is None else
+            self.states.capacity - self.cfg.state_request_slots - self.cfg.state_verify_slots,
+            "state_verify_slots": 0 if self.states is None else self.cfg.state_verify_slots,
             **lora_registry.info(self.lora),
         }

@@ -36,6 +36,9 @@ forks at its admission (the forks' slots wait for the fork, so a computed prompt
 slot), the admission rule counts free slots beside pages, `fork` copies the parent's slot, retraction
 saves the slot to the host with the KV and frees it, reload takes a fresh one, `release` frees it.
 
+Speculative verifies on a hybrid model take position-state slots from a third share (`verify_slots`,
+K per speculating request: engine/extras/speculative/states.py), held from before a verify to its settle.
+
 State snapshots (hybrid models with the prefix cache; `snapshot_slots` > 0, else the cache is off for
 them and the private tree still shares forks' prompt pages): a cached prefix is reusable only with
 the recurrent state at its end. `checkpoint`, after every forward, copies a request's slot into a
@@ -73,7 +76,8 @@ def reservation(reqs: Iterable[Req], ratio: float, page_size: int) -> int:
 class KVManager:
     def __init__(self, pool: KVPool, host_pool: HostKVPool, window: int = 0, prefix_cache: bool = False,
                  hicache: HiCacheSpec | None = None, states: StatePool | None = None, snapshot_slots: int = 0,
-                 snapshot_interval: int = 0, host_tier: Callable[[KVPool, int], HostTier] = HostTier) -> None:
+                 snapshot_interval: int = 0, host_tier: Callable[[KVPool, int], HostTier] = HostTier,
+                 verify_slots: int = 0) -> None:
         self.pool = pool
         self.states = states  # hybrid models' recurrent-state slots (None: attention only)
         self.host = host_pool
@@ -87,7 +91,10 @@ class KVManager:
         snaps = snapshot_slots if states is not None else 0
         use_cache = prefix_cache and not window and (states is None or (snaps > 0 and snapshot_interval > 0))
         self.snapshot_slots = snaps if use_cache else 0
-        self.request_slots = 0 if states is None else states.capacity - snaps  # --max-state-slots
+        # speculative verifies' position states (engine/extras/speculative/states.py): their own share
+        self.verify_slots = verify_slots if states is not None else 0
+        self.verify_held = 0
+        self.request_slots = 0 if states is None else states.capacity - snaps - self.verify_slots  # --max-state-slots
         self.snapshot_interval = snapshot_interval
         self.snapshots_held = 0  # snapshot slots held by requests (not yet in the tree)
         self.snapshots_taken = 0  # total
@@ -110,8 +117,10 @@ class KVManager:
         if states is None:
             return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache,
                        host_tier=tier)
+        verify = runner.cfg.state_verify_slots
         return cls(runner.pool, runner.host_pool, runner.model_cfg.max_window, prefix_cache, hicache, states,
-                   states.capacity - runner.cfg.state_request_slots, runner.cfg.state_snapshot_interval, tier)
+                   states.capacity - runner.cfg.state_request_slots - verify, runner.cfg.state_snapshot_interval, tier,
+                   verify)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -359,7 +368,7 @@ class KVManager:
         """State slots requests (and scratch computations) hold; snapshots not counted."""
         if self.states is None:
             return 0
-        return self.states.num_used - self.snapshots_held - self.cached_snapshots
+        return self.states.num_used - self.snapshots_held - self.cached_snapshots - self.verify_held
 
     @property
     def free_slots(self) -> int:
@@ -385,6 +394,19 @@ class KVManager:
         for c in (req, *req.choice.forks) if forks else (req,):
             if c.kv.state_slot < 0:
                 c.kv.state_slot = self.states.allocate(1)[0]
+
+    def take_verify_slots(self, n: int) -> list[int]:
+        """n state slots of the speculative verifies' share for one verify's position states ([]: the
+        share cannot give them now, the request decodes plainly this step)."""
+        if self.states is None or self.verify_held + n > self.verify_slots or n > self.states.num_free:
+            return []
+        self.verify_held += n
+        return self.states.allocate(n)
+
+    def free_verify_slots(self, slots: list[int]) -> None:
+        if slots:
+            self.states.free(slots)  # type: ignore[union-attr]
+            self.verify_held -= len(slots)
 
     def _free_slot(self, req: Req) -> None:
         if self.states is not None and req.kv.state_slot >= 0:

@@ -290,6 +290,8 @@ class Scheduler:
             self.retract(victim)
         for r in self.running:
             self.kv.grow(r, 1 + len(r.spec.draft))
+        if self.spec is not None:
+            self.spec.reserve(self.running)  # hybrid models: each draft's position-state slots
         return list(self.running)
 
     def _end_at_pool_end(self, r: Req) -> None:

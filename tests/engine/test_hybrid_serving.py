@@ -158,16 +158,68 @@ def test_pd_in_process_equals_colocated(family):
     pd_equals_colocated(_cfg(family[2]), [_prompt(7, 21), _prompt(8, 150)], GREEDY, heartbeat_s=5.0)
 
 
+class _Oracle:
+    """A proposer (the Speculator's draft side) that knows each prompt's greedy continuation: every draft
+    holds its K next true tokens with the first `right` kept and the rest made wrong, `right` cycling
+    through 0..K, so the verifies keep every prefix of their drafts and roll the state back to each
+    position in turn. Test-only: the target model and its verifies are real."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]]) -> None:
+        self.truth, self.turn, self.right = truth, 0, 0
+
+    def propose(self, reqs: list[Req], lens: list[int]) -> None:
+        for r, n in zip(reqs, lens):
+            true = self.truth[tuple(r.token_ids[: r.num_prompt_tokens])][r.num_output_tokens : r.num_output_tokens + n]
+            right = self.turn % (n + 1)
+            self.turn += 1
+            self.right += min(right, len(true))
+            r.spec.draft = true[:right] + [(t + 1) % VOCAB for t in true[right:]]
+
+    def rollback(self, r: Req) -> None: ...
+    def forget(self, r: Req) -> None: ...
+    def retain(self, running: list[Req]) -> None: ...
+
+    def used_pages(self) -> int:
+        return 0
+
+
+def test_speculation_rolls_the_state_back_to_the_last_kept_position(family, llm):
+    """--speculative on a hybrid model: each verify runs its positions one at a time through the recurrent
+    layers, keeping the state after each (engine/extras/speculative/states.py). Drafts of K = 3 whose
+    first 0..3 tokens are the true ones (a proposer that knows the answer) are verified in one batch of
+    three requests: the tokens equal plain decoding's, every true draft token is accepted and every wrong
+    one rejected, and every page and state slot comes back."""
+    prompts = [_prompt(110 + i, n) for i, n in enumerate((9, 40, 130))]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    want = [c.output_ids for c in llm.generate(prompts, params)]
+    spec = LLM(_cfg(family[2], spec=SpecConfig(speculative="ngram", num_speculative_tokens=3,
+                                                speculative_min_acceptance=0.0)))
+    oracle = _Oracle({tuple(ids): out for ids, out in zip(prompts, want)})
+    spec.scheduler.spec.draft = oracle
+    outs = spec.generate(prompts, params)
+    assert [c.output_ids for c in outs] == want and all(c.error is None for c in outs)
+    totals = spec.scheduler.spec.stats()
+    assert totals.accepted_tokens == oracle.right > 0
+    assert totals.proposed_tokens - totals.accepted_tokens > 0, "no draft token was rejected"
+    kv = spec.scheduler.kv
+    assert kv.all_free() and kv.verify_held == 0 and kv.verify_slots == 3 * 8
+    assert spec.runner.server_info()["state_verify_slots"] == 24
+
+
 @pytest.mark.parametrize("field,value,words", [
-    ("speculative_method", "ngram", "--speculative"),
+    ("draft_model", "self", "draft model must be attention-only"),
     ("max_loaded_loras", 2, "LoRA adapters"),
     ("hicache_host_tokens", 1024, "--hicache-host-tokens"),
 ])
 def test_what_is_refused_says_so(family, field, value, words):
-    kw = {"spec": SpecConfig(speculative=value)} if field == "speculative_method" else {field: value}
-    kw |= {"prefix_cache": True} if field == "hicache_host_tokens" else {}
+    if field == "draft_model":  # the hybrid model as its own draft
+        llm_cfg = _cfg(family[2], spec=SpecConfig(speculative="draft", draft_model=family[2]))
+        with pytest.raises(ValueError, match=f"has recurrent layers: a {words}"):
+            LLM(llm_cfg)
+        return
+    kw = {"prefix_cache": True} if field == "hicache_host_tokens" else {}
     with pytest.raises(ValueError, match=f"has recurrent layers; {words}"):
-        ModelRunner(_cfg(family[2], **kw))
+        ModelRunner(_cfg(family[2], **{field: value}, **kw))
 
 
 # ---- one real PD stack through the router -------------------------------------------------------
@@ -175,18 +227,23 @@ def test_what_is_refused_says_so(family, field, value, words):
 @pytest.fixture(scope="module")
 def pd_stack(tmp_path_factory):  # noqa: ANN001, ANN201
     """Nemotron-H: colocated, a prefill at TP 2 (its ranks' state gathered into the wire's whole layout),
-    two decodes at TP 1 (separate processes, real UCX), the router over them."""
+    two decodes at TP 1 speculating with n-gram drafts (separate processes, real UCX), the router over them."""
     model = tmp_path_factory.mktemp("hybrid_pd")
     write_hybrid("nemotron_h", model)
-    with router_stack(model, ("--tp", "2"), decodes=2) as procs:
+    spec = ("--speculative", "ngram", "--speculative-min-acceptance", "0")  # the pair's compatibility record
+    with router_stack(model, ("--tp", "2", *spec), decodes=2, decode_args=spec) as procs:
         yield procs
 
 
 @pytest.mark.slow
 def test_real_pd_through_router_equals_colocated(pd_stack):
     router_equals_colocated(pd_stack, [_prompt(1, 13), _prompt(2, 90)])
+    router_equals_colocated(pd_stack, [_prompt(1, 13)], tokens=32)  # its text repeats: n-gram drafts
     info = httpx.get(pd_stack["dec"].url + "/server_info", timeout=30).json()
     assert info["state_slots"] > 0 and info["state_bytes_per_slot"] > 0
+    proposed = [httpx.get(pd_stack[d].url + "/server_info", timeout=30).json()["internal_states"][0]["speculative"]
+                ["proposed_tokens"] for d in ("dec", "dec2")]
+    assert sum(proposed) > 0, "no decode speculated"
     assert info["state_snapshot_slots"] == 0  # the decode keeps no prefix cache for a hybrid model
     for role in ("colo", "pre"):  # theirs is on by default: state snapshots beside the requests' slots
         info = httpx.get(pd_stack[role].url + "/server_info", timeout=30).json()

@@ -391,3 +391,72 @@ def test_triton_ssd_step(limit: tuple[float, float], interpreter) -> None:
                               **{**kw, "D": D.to(DEV), "dt_bias": dt_bias.to(DEV)})
     close(y.cpu(), ref)
     close(states.cpu(), ref_states, equal_nan=True)
+
+
+# --- speculative verifies: the state after each position (StateBatch.checkpoints) -------------
+
+
+# (tokens, has_state, checkpoint slots) per segment, slots 1..4: a verify of K = 3 (3 checkpoints), a prompt
+# chunk, a verify of K = 1, a plain decode row (engine/extras/speculative/states.py)
+VERIFY = [(4, True, (5, 6, 7)), (9, False, ()), (2, True, (8,)), (1, True, ())]
+
+
+def _kernel(kind: str, n: int, conv_params):  # noqa: ANN001, ANN202
+    """(per-token inputs, step, chunk, part shape, StateBatch call) of one recurrent kernel."""
+    from engine.recurrent.batch import StateBatch
+
+    if kind == "conv":
+        w, b, g = conv_params
+        return ([torch.randn(n, C, generator=g)], lambda x, st: causal_conv1d_step(x, w, b, st),
+                lambda x, st: causal_conv1d(x, w, b, st), (C, K - 1),
+                lambda sb, x: StateBatch.conv(sb, "p", x, w, b))
+    if kind == "gdn":
+        return (list(gdn_inputs(n, 21)), recurrent_gated_delta_step, chunk_gated_delta_rule, (HV, DK, DV),
+                lambda sb, *a: StateBatch.gated_delta(sb, "p", *a))
+    x, dt, A, B, C_, D, dt_bias = ssd_inputs(n, 22)  # noqa: N806
+    kw = {"D": D, "dt_bias": dt_bias}
+    return ([x, dt, B, C_], lambda *a: ssd_step(a[0], a[1], A, *a[2:], **kw),
+            lambda *a: ssd_chunk_scan(a[0], a[1], A, *a[2:], chunk_size=32, **kw), (NH, HP, NS),
+            lambda sb, *a: StateBatch.ssd(sb, "p", a[0], a[1], A, a[2], a[3], **kw))
+
+
+@pytest.mark.parametrize("kind", ["conv", "gdn", "ssd"])
+@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=needs_triton)])
+def test_verify_checkpoints_hold_the_state_after_each_position(kind: str, triton: bool, conv,
+                                                               request: pytest.FixtureRequest) -> None:
+    """A batch with two speculative verifies: their outputs and final states equal decoding their tokens
+    one at a time, and checkpoint slot j holds the state after position j; the prompt chunk and the
+    decode row beside them run as without checkpoints. triton: the verify positions through the Triton
+    decode steps (the interpreter on CPU)."""
+    from engine.recurrent.batch import StateBatch
+    from engine.recurrent.state_pool import StatePart, StatePool, StateSpec
+
+    if triton:
+        request.getfixturevalue("interpreter")
+    n_tok = sum(n for n, _, _ in VERIFY)
+    inputs, step, chunk, shape, call = _kernel(kind, n_tok, conv)
+    pool = StatePool(StateSpec((StatePart("p", shape, torch.float32),)), 8, "cpu")
+    part = pool.part("p")
+    part.copy_(torch.randn(part.shape, generator=torch.Generator().manual_seed(23)) * 0.3)
+    want, at = [], 0
+    states = part.clone()
+    for slot, (n, has_state, ck) in enumerate(VERIFY, start=1):
+        rows = [t[at : at + n] for t in inputs]
+        st = states[slot] if has_state else None
+        if ck or n == 1:  # a verify or a decode row: one token at a time
+            for j in range(n):
+                y, new = step(*(r[j : j + 1] for r in rows), (st if st is not None else torch.zeros(shape))[None])
+                st = new[0]
+                want.append(y)
+                if j < len(ck):
+                    states[ck[j]] = st
+        else:
+            y, st = chunk(*rows, st)
+            want.append(y)
+        states[slot] = st
+        at += n
+    sb = StateBatch(pool, torch.arange(1, len(VERIFY) + 1), [n for n, _, _ in VERIFY], [h for _, h, _ in VERIFY],
+                    triton=triton, checkpoints=[ck for _, _, ck in VERIFY])
+    got = call(sb, *inputs)
+    close(got, torch.cat(want))
+    close(part, states)

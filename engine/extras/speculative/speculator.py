@@ -4,19 +4,22 @@ Per step (engine.scheduling.scheduler.Scheduler):
 1. `propose(running)` before pages are grown: each running request gets `spec.draft` (up to K
    tokens; [] = a plain decode) from the n-gram lookup or the draft model, as the switch-off rule
    allows (engine.extras.speculative.policy). `kv.grow` then covers 1 + len(draft) tokens.
-   When pages are short, `drop(running)` clears every draft before anyone is retracted.
+   When pages are short, `drop(running)` clears every draft before anyone is retracted. On a hybrid
+   model `reserve(running)`, once pages are grown, gives each draft its position-state slots
+   (engine/extras/speculative/states.py).
 2. The batch executor runs a request with a draft as an extend of [last token] + draft over its
    cached KV with logits at every position (LOGITS_ALL), and `verify.verify` emits its tokens.
 3. `settle(decoded)` after the forward: totals and the switch-off rule, then the rollback of
    rejected positions (KVManager.rollback frees whole pages past kv_len; the draft model's own KV
-   likewise). `forget(r)` frees a finished request's draft-model KV.
+   likewise; a hybrid model's state goes back to its last kept position). `forget(r)` frees a
+   finished request's draft-model KV.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from engine.extras.speculative import ngram
+from engine.extras.speculative import ngram, states
 from engine.extras.speculative.config import SpecConfig
 from engine.extras.speculative.policy import SwitchOff
 from engine.extras.speculative.stats import SpecStats
@@ -69,6 +72,11 @@ class Speculator:
         for r in running:
             r.spec.draft, r.spec.draft_probs = [], None
 
+    def reserve(self, running: list[Req]) -> None:
+        """A hybrid model: each draft's position-state slots (a draft the verify share cannot take is dropped)."""
+        if self.kv.states is not None:
+            states.reserve(running, self.kv)
+
     def settle(self, decoded: list[Req]) -> None:
         """After the forward: fold each verify into the totals and the switch-off rule, and free the
         KV of rejected positions (target and draft)."""
@@ -76,7 +84,9 @@ class Speculator:
         for r in decoded:
             s = r.spec
             if s.accepted < 0:
+                states.release(r, self.kv)
                 continue
+            states.settle(r, self.kv)  # before anything reads the state (the prefix cache's snapshots)
             proposed = len(s.draft)
             t.proposed_tokens += proposed
             t.accepted_tokens += s.accepted
@@ -90,6 +100,7 @@ class Speculator:
 
     def forget(self, r: Req) -> None:
         """r left the running batch for good (finished, aborted): free its draft-model KV."""
+        states.release(r, self.kv)
         if self.draft is not None:
             self.draft.forget(r)
 
