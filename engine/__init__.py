@@ -1,7 +1,9 @@
 """The model core (docs/architecture.md).
 
 Importing it before torch turns on torch's huge-page advice for large CPU allocations (weights,
-oneDNN's packed copies): engine/hugepages.py says why; an explicit THP_MEM_ALLOC_ENABLE wins.
+oneDNN's packed copies): engine/hugepages.py says why; an explicit THP_MEM_ALLOC_ENABLE wins, and
+PDSERVE_HUGEPAGES=0 turns every huge-page advice of the engine off (start-up time on a box whose memory
+is fragmented: engine/hugepages.py).
 
 It also bounds torch's and oneDNN's per-shape caches on the CPU (LRU_CACHE_CAPACITY: torch's cache of
 mkldnn computations; ONEDNN_PRIMITIVE_CACHE_CAPACITY: oneDNN's primitives; both 1024 by default). Each
@@ -20,6 +22,7 @@ import os
 LRU_CAPACITY = "16"
 PRIMITIVE_CAPACITY = "64"
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+if os.environ.get("PDSERVE_HUGEPAGES", "1") != "0":
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 os.environ.setdefault("LRU_CACHE_CAPACITY", LRU_CAPACITY)
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CAPACITY)

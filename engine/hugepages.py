@@ -8,6 +8,14 @@ before the first touch (the KV pool), and torch's own allocator advises every al
 or more when THP_MEM_ALLOC_ENABLE=1 is in the environment before torch is imported (weights,
 oneDNN's packed copies, large activations): `engine/__init__.py` sets it when it can.
 Measured: docs/benchmarks.md (engine speed).
+
+The cost is at start-up: where THP's defrag mode is `madvise` (the default), every huge page faulted
+in an advised region is made by compacting memory on the spot, and on a box whose memory is
+fragmented that is slow. Measured on this 2-core box after a day of use: the embedded model's worker
+took 11.4 s to build its runner (10 s of it kernel time) against 3.2 s without the advice. So
+PDSERVE_HUGEPAGES=0 in the environment turns it off (the pool is then a plain torch.zeros, whose
+pages are faulted in as requests first write them): for start-up-bound uses, like the test suite,
+which starts a hundred services (tests/conftest.py sets it).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 import torch
@@ -39,6 +48,7 @@ def _madvise():  # noqa: ANN202
 
 
 _MADVISE = _madvise()
+ENABLED = os.environ.get("PDSERVE_HUGEPAGES", "1") != "0"  # PDSERVE_HUGEPAGES=0: no advice (module docstring)
 
 
 def advise(t: torch.Tensor) -> bool:
@@ -58,7 +68,10 @@ def advise(t: torch.Tensor) -> bool:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """torch.zeros; on the CPU its memory is advised for huge pages before the zero fill touches it."""
+    """torch.zeros; on the CPU its memory is advised for huge pages before the zero fill touches it
+    (unless PDSERVE_HUGEPAGES=0)."""
+    if not ENABLED or torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     t = torch.empty(shape, dtype=dtype, device=device)
     advise(t)
     return t.zero_()

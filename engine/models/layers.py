@@ -50,6 +50,13 @@ class ForwardContext:
     triton: bool = False  # the model's own Triton kernels run (engine.attention.base.triton_kernels): MLA decode
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its random init (the loader fills every weight). Built on the meta device,
+    the init's normal_ goes through torch's reference ops, whose first use imports torch._dynamo: 1.7 s
+    of every worker's start-up, measured."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """m(x), through m's oneDNN-packed weight when the loader packed one (engine/models/cpu_gemm.py), or
     its low-bit weight (`weight_quant`, a quantized checkpoint's: engine/models/quant.py) dequantized
@@ -196,7 +203,7 @@ class CausalLM(nn.Module):
         self.cfg, self.tp = cfg, tp
         tp.split(cfg.num_heads, "num_attention_heads")  # heads first: the error names the first misfit
         tp.kv_heads(cfg.num_kv_heads)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, mlp(cfg, i, tp)) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_pos)

@@ -35,7 +35,7 @@ from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models import cpu_gemm
 from engine.models.checkpoint import Checkpoint, cat_rows, cols, rows
-from engine.models.layers import ForwardContext, RMSNorm, linear, row_parallel
+from engine.models.layers import ForwardContext, RMSNorm, embedding, linear, row_parallel
 from engine.models.rope import Rotary, RotaryTables
 from engine.recurrent.ssd import NO_LIMIT
 from engine.recurrent.state_pool import StatePart, StateSpec
@@ -235,7 +235,7 @@ class HybridLM(nn.Module):
         super().__init__()
         self.cfg, self.tp, self.rope = cfg, tp, rope
         self.embedding_multiplier, self.logits_scaling = embedding_multiplier, logits_scaling
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_pos)  # rebuilt by the loader

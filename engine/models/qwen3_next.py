@@ -61,7 +61,7 @@ from torch import nn
 from engine.config import ModelConfig, MoESpec
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import Checkpoint, Weight, cat_rows, cols, dense_mlp_weights, rows, shell_weights
-from engine.models.layers import CausalLM, ForwardContext, RotaryTables, linear, row_parallel
+from engine.models.layers import CausalLM, ForwardContext, RotaryTables, embedding, linear, row_parallel
 from engine.models.moe import block_weights, moe_mlp, moe_spec
 from engine.models.rope import rope_params
 from engine.recurrent.gated_delta import gates
@@ -357,7 +357,7 @@ class Model(nn.Module):
         self.cfg, self.tp = cfg, tp
         tp.split(cfg.num_heads, "num_attention_heads")  # heads first: the error names the first misfit
         tp.kv_heads(cfg.num_kv_heads)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(HybridLayer(cfg, i, tp, moe_mlp(cfg, i, tp)) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.rope = PartialRotary(cfg.hybrid.rotary_dim, cfg.rope_theta, cfg.rope_scaling)

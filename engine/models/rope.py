@@ -75,11 +75,14 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_pos: int) -> None:
         super().__init__()
-        inv, attention = rope_params(head_dim, theta, scaling)
-        t = torch.arange(max_pos, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [max_pos, D/2]
-        self.register_buffer("cos", freqs.cos() * attention, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention, persistent=False)
+        # computed on the CPU even inside the loader's meta-device context: ops on meta tensors go through
+        # torch's reference implementations, whose first use imports torch._dynamo (1.3 s of a worker's start)
+        with torch.device("cpu"):
+            inv, attention = rope_params(head_dim, theta, scaling)
+            t = torch.arange(max_pos, dtype=torch.float32)
+            freqs = torch.outer(t, inv)  # [max_pos, D/2]
+            self.register_buffer("cos", freqs.cos() * attention, persistent=False)
+            self.register_buffer("sin", freqs.sin() * attention, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> RotaryTables:
         """cos and sin [T, 1, D/2] of the step's positions, gathered once for every layer."""

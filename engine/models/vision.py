@@ -38,7 +38,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import Checkpoint, attention_weights, dense_mlp_weights, shell_weights
-from engine.models.layers import CausalLM, ForwardContext, RMSNorm, RotaryTables, dense_mlp
+from engine.models.layers import CausalLM, ForwardContext, RMSNorm, RotaryTables, dense_mlp, embedding
 from engine.models.rope import mrope_rows
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -398,7 +398,7 @@ class Qwen3VisionTower(nn.Module):
         super().__init__()
         self.spec = spec
         self.patch_embed = PatchEmbed(spec, bias=True)
-        self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
+        self.pos_embed = embedding(spec.num_position_embeddings, spec.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = Qwen3Merger(spec, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Qwen3Merger(spec, postshuffle=True)

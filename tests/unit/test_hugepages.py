@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import hugepages
@@ -25,19 +26,27 @@ def thp_mode() -> str:
 
 
 def anon_huge_kb(t: torch.Tensor) -> int:
-    """AnonHugePages of the mapping that holds t's first byte (/proc/self/smaps)."""
-    addr, inside, total = t.data_ptr(), False, 0
+    """AnonHugePages of the mappings that hold t's memory (/proc/self/smaps; advising part of a mapping
+    splits it, so t may span several)."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    inside, total = False, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
+            inside = lo < end and start < hi
         elif inside and head == "AnonHugePages:":
             total += int(line.split()[1])
     return total
 
 
-def test_kv_pool_gets_huge_pages() -> None:
+@pytest.fixture
+def enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The advice on, as in production (tests/conftest.py turns it off for the suite's start-up time)."""
+    monkeypatch.setattr(hugepages, "ENABLED", True)
+
+
+def test_kv_pool_gets_huge_pages(enabled: None) -> None:
     pool = KVPool(200, 30, 16, 3, 64, torch.float32, "cpu")  # 141 MiB
     assert torch.count_nonzero(pool.buffer) == 0  # still zeros, as torch.zeros gave
     if sys.platform.startswith("linux") and thp_mode() in ("always", "madvise"):
@@ -60,9 +69,18 @@ def _env_after_import(env: dict[str, str]) -> str:
 
 
 def test_importing_engine_enables_torch_huge_pages_unless_set() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "PDSERVE_HUGEPAGES")}
     assert _env_after_import(env) == "1"
     assert _env_after_import({**env, "THP_MEM_ALLOC_ENABLE": "0"}) == "0"
+    assert _env_after_import({**env, "PDSERVE_HUGEPAGES": "0"}) == "None"  # torch's default: off
+
+
+def test_pdserve_hugepages_0_gives_a_plain_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hugepages, "ENABLED", False)
+    called = []
+    monkeypatch.setattr(hugepages, "advise", lambda t: called.append(t) or True)
+    pool = KVPool(200, 30, 16, 3, 64, torch.float32, "cpu")
+    assert torch.count_nonzero(pool.buffer) == 0 and not called
 
 
 def test_importing_engine_bounds_the_per_shape_gemm_caches_unless_set() -> None:
