@@ -12,10 +12,10 @@ Measured: docs/benchmarks.md (engine speed).
 The cost is at start-up: where THP's defrag mode is `madvise` (the default), every huge page faulted
 in an advised region is made by compacting memory on the spot, and on a box whose memory is
 fragmented that is slow. Measured on this 2-core box after a day of use: the embedded model's worker
-took 11.4 s to build its runner (10 s of it kernel time) against 3.2 s without the advice. So
+took 11.8 s to build its runner (10.8 s of it kernel time) against 2.9 s without the advice. So
 PDSERVE_HUGEPAGES=0 in the environment turns it off (the pool is then a plain torch.zeros, whose
 pages are faulted in as requests first write them): for start-up-bound uses, like the test suite,
-which starts a hundred services (tests/conftest.py sets it).
+which starts dozens of services (tests/conftest.py sets it).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ if "torch" in sys.modules:  # too late: libgomp read its settings when torch loa
 else:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 # No huge-page advice (engine/hugepages.py): with THP's default defrag mode every advised 2 MiB page is made by
-# compacting memory when first touched, which on a box with fragmented memory cost each service start ~8 s of
-# kernel time (the suite starts about a hundred). Huge pages are a speed hint, not a behaviour:
+# compacting memory when first touched, which on a box with fragmented memory cost building the embedded model's
+# runner up to ~8 s of kernel time (the suite starts dozens of services). Huge pages are a speed hint, not a behaviour:
 # tests/unit/test_hugepages.py turns them back on for its own checks. Child processes inherit it.
 os.environ.setdefault("PDSERVE_HUGEPAGES", "0")
