@@ -276,8 +276,9 @@ class EngineConfig:
     state_snapshot_interval: int = option(
         256, "hybrid models with the prefix cache: a request's state is snapshotted each time its computed length "
         "reaches a multiple of this many tokens (in the prompt: a chunk ends at the deepest such point inside it, "
-        "at most one a chunk; in decode: every multiple), and once at its prompt's last page boundary (a "
-        "conversation's next turn resumes there). Must be a multiple of --page-size. Smaller: finer reuse, more "
+        "at most one a chunk; in decode: every multiple), and once at its prompt's last page boundary before its "
+        "last token (a conversation's next turn, or the same prompt again, resumes there). Must be a multiple of "
+        "--page-size. Smaller: finer reuse, more "
         "snapshots (each one state slot of --state-cache-slots)", group=MODEL, roles=SCHEDULING_ROLES)
     image_cache_mb: int = option(
         256, "vision-language models: MB of vision-tower outputs kept by image content hash (least recently used "

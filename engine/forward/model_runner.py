@@ -119,10 +119,9 @@ class ModelRunner:
         if spec_of is None:
             return None
         cfg, what = self.cfg, f"{self.model_path} ({self.model_cfg.model_type}) has recurrent layers"
-        refused = [(bool(cfg.lora_paths or cfg.max_loaded_loras), "LoRA adapters (--lora-paths, --max-loaded-loras)"),
-                   (bool(cfg.hicache_host_tokens), "--hicache-host-tokens (their prefix cache restarts from recurrent-"
-                    "state snapshots, which live only on the device: a prefix brought back from the host would have "
-                    "no state at its end)")]
+        refused = [(bool(cfg.hicache_dir), "--hicache-dir (their prefix cache restarts from recurrent-state "
+                    "snapshots, kept on the device with their tree nodes: a page found on disk has no node, so no "
+                    "state at its end)")]
         for bad, flag in refused:
             if bad:
                 raise ValueError(f"{what}; {flag} is not supported with them yet")
@@ -134,6 +133,9 @@ class ModelRunner:
                              f"--state-snapshot-interval ({cfg.state_snapshot_interval}), which must be a multiple of "
                              f"--page-size ({cfg.page_size}) (or --state-cache-slots 0: no prefix cache for them)")
         verify = cfg.state_verify_slots  # --speculative: the state after each draft position
+        if cfg.hicache_host_tokens and not snaps:  # e.g. a PD decode, which keeps no prefix cache for them
+            log.warning("%s; --hicache-host-tokens is ignored: it tiers the prefix cache, which a hybrid model has "
+                        "only with state snapshots (--state-cache-slots > 0, --prefix-cache, no sliding window)", what)
         pool = shard.state_pool(spec, slots + snaps + verify, self.device)
         log.info("recurrent state: %d slots for requests + %d for prefix-cache snapshots (every %d tokens) + %d for "
                  "speculative verifies, %.2f MB each (%d parts)", slots, snaps, cfg.state_snapshot_interval, verify,

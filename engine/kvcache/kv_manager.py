@@ -100,9 +100,9 @@ class KVManager:
         self.snapshots_taken = 0  # total
         self.cache = RadixCache(self.page_size, pool.allocator.free, self._free_states) if use_cache else None
         if use_cache and hicache is not None:  # host (and disk) tiers under the cache (engine/kvcache/hicache)
-            if states is not None:
-                raise ValueError("the host tier of the prefix cache cannot hold recurrent-state snapshots")
-            self.cache = build_cache(hicache, pool, host_tier)
+            if states is not None and hicache.disk_dir:
+                raise ValueError("the disk tier of the prefix cache cannot hold recurrent-state snapshots")
+            self.cache = build_cache(hicache, pool, host_tier, self._free_states if states is not None else None)
         # the tree forked choices share prompt pages through (the cache, else private; None: copy)
         self.tree = self.cache if self.cache is not None else \
             (None if window else RadixCache(self.page_size, pool.allocator.free))
@@ -137,7 +137,11 @@ class KVManager:
         if self.states is not None:  # up to the deepest state snapshot, copied into req's own slot
             if limit < self.page_size or not self.slots_free_for(req):
                 return 0  # (no slot: it is not admitted now anyway)
-            hit = self.cache.match(req.token_ids, limit, req.cache_namespace, need_state=True)
+            if isinstance(self.cache, HiRadixCache):  # host pages up to the deepest snapshot loaded
+                hit = self.cache.fetch(req.token_ids, limit, req.cache_namespace, self._allocate,
+                                       pages_for(len(req.token_ids), self.page_size), need_state=True)
+            else:
+                hit = self.cache.match(req.token_ids, limit, req.cache_namespace, need_state=True)
             if not hit.pages:
                 return 0
             self.take_slots(req, forks=False)
@@ -205,10 +209,11 @@ class KVManager:
 
     def snapshot_points(self, req: Req) -> tuple[int, int]:
         """(interval, prompt point) of req's snapshots: lengths that are multiples of the interval, and
-        its prompt's last page boundary. (0, 0): it takes none (no state snapshots here)."""
+        its prompt's last page boundary before its last token (the same prompt again, whose last token is
+        always computed, restarts there). (0, 0): it takes none (no state snapshots here)."""
         if not self.snapshot_slots:
             return 0, 0
-        return self.snapshot_interval, req.num_prompt_tokens // self.page_size * self.page_size
+        return self.snapshot_interval, (req.num_prompt_tokens - 1) // self.page_size * self.page_size
 
     def _snapshot_room(self) -> bool:
         """Whether a new snapshot can get a slot (a free one of the budget, or a cached one's)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,10 +111,15 @@ def attention_layers(kinds: tuple[str, ...], field: str) -> tuple[int, ...]:
 
 
 def residual_out(m: nn.Linear, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup,
-                 scale: float = 1.0) -> torch.Tensor:
+                 scale: float = 1.0, lora: Any = None, layer: int = -1) -> torch.Tensor:
     """residual + scale * m(x) for a row-parallel m (summed over the group). scale 1: the add fused
     into rank 0's GEMM (layers.row_parallel); else the sum first, then the scaled add (Granite's
-    residual_multiplier: residual + (m(x) * scale), the order transformers computes it in)."""
+    residual_multiplier: residual + (m(x) * scale), the order transformers computes it in). `lora`
+    (ForwardContext.lora): the adapters' update of o_proj in `layer` added to m(x)."""
+    if lora is not None:
+        if scale == 1.0:
+            return lora.row_parallel(m, x, residual, tp, layer, "o")
+        return residual + tp.all_reduce(lora.apply(layer, "o", x, linear(m, x))) * scale
     if scale == 1.0:
         return row_parallel(m, x, residual, tp)
     return residual + tp.all_reduce(linear(m, x)) * scale
@@ -210,6 +216,8 @@ class HybridAttention(nn.Module):
         """x (normed), residual [T, hidden] -> residual + scale * attention(x) (summed over the group)."""
         t = x.shape[0]
         qkv = linear(self.qkv_proj, x)  # [T, (Hq + 2Hkv) D]
+        if ctx.lora is not None:  # each adapter's rows += x A^T B^T (engine/extras/lora)
+            ctx.lora.apply(self.layer_id, "qkv", x, qkv)
         k_pages, v_pages = ctx.pool.layer(self.kv_layer)
         if self.rope and ctx.native is not None:  # rotate q and k, store k and v: one call
             q = ctx.native.rope_store(qkv, rotary.cos, rotary.sin, k_pages, v_pages, ctx.out_page, ctx.out_offset,
@@ -222,7 +230,8 @@ class HybridAttention(nn.Module):
             ctx.pool.write(self.kv_layer, ctx.out_page, ctx.out_offset, k, v)
         meta = ctx.meta if ctx.meta.scale == self.scale else dataclasses.replace(ctx.meta, scale=self.scale)
         o = ctx.backend.forward(q, k_pages, v_pages, meta, 0)  # [T, Hq, D]
-        return residual_out(self.o_proj, o.reshape(t, self.hq * self.d), residual, self.tp, scale)
+        return residual_out(self.o_proj, o.reshape(t, self.hq * self.d), residual, self.tp, scale, ctx.lora,
+                            self.layer_id)
 
 
 class HybridLM(nn.Module):

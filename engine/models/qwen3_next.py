@@ -86,6 +86,7 @@ class GDNSpec:
     conv_kernel: int  # linear_conv_kernel_dim
     rotary_dim: int  # the attention layers' rope dims per head: head_dim * partial_rotary_factor
     linear_layers: tuple[int, ...]  # the Gated DeltaNet layers (the others are full attention)
+    q_gate = True  # the attention layers' q_proj rows are [q | gate] per head (LoRA slices them so)
 
     @property
     def group(self) -> int:
@@ -257,6 +258,8 @@ class GatedAttention(nn.Module):
         the group)."""
         t, d, r = x.shape[0], self.d, self.rotary_dim
         qkv = linear(self.qkv_proj, x)  # [T, (2Hq + 2Hkv) D]
+        if ctx.lora is not None:  # each adapter's rows += x A^T B^T (q_proj's rows: [q|gate] per head, as here)
+            ctx.lora.apply(self.layer_id, "qkv", x, qkv)
         q_gate = qkv[:, : 2 * self.hq * d].view(t, self.hq, 2 * d)
         k, v = qkv[:, 2 * self.hq * d :].split(self.hkv * d, dim=-1)
         q = self.q_norm(q_gate[..., :d])  # [T, Hq, D], a new tensor
@@ -267,6 +270,8 @@ class GatedAttention(nn.Module):
         k_pages, v_pages = ctx.pool.layer(self.kv_layer)
         o = ctx.backend.forward(q, k_pages, v_pages, ctx.meta, 0)  # [T, Hq, D]
         o = o.reshape(t, self.hq * d) * torch.sigmoid(q_gate[..., d:].reshape(t, self.hq * d))
+        if ctx.lora is not None:
+            return ctx.lora.row_parallel(self.o_proj, o, residual, self.tp, self.layer_id, "o")
         return row_parallel(self.o_proj, o, residual, self.tp)
 
 

@@ -285,6 +285,23 @@ def test_pages_evicted_take_their_snapshots_and_a_full_budget_drops_the_lru(fami
     _drained(few)
 
 
+def test_the_host_tier_keeps_pages_whose_snapshots_stay_on_the_device(family, uncached):
+    """--hicache-host-tokens on a hybrid model: a device pool of two prompts' pages evicts the older prompts'
+    pages to the host; their snapshots stay in their device slots with their nodes. The first prompt again
+    loads its pages back from the host up to its deepest snapshot (144 tokens) and restarts from that state:
+    the same tokens and logprobs as without a cache, host hits counted, every slot accounted for."""
+    prompts = [_ids(40 + i, 150) for i in range(6)]
+    want = _serve(uncached, prompts + prompts[:1])
+    tiered = LLM(_cfg(family, max_total_tokens=384, state_cache_slots=32, hicache_host_tokens=4096))
+    got = _serve(tiered, prompts + prompts[:1])
+    kv = tiered.scheduler.kv
+    _same(got, want)
+    assert kv.cache.evictions["device"] > 0 and kv.cache.evicted_states == 0  # type: ignore[union-attr]
+    # its snapshots are at 64, 128 and its prompt's last page boundary, 144: all nine pages come back
+    assert got[-1].kv.cached_tokens == 144 and kv.cache.hits["host"] == 144  # type: ignore[union-attr]
+    _drained(tiered)
+
+
 def test_an_abort_storm_with_the_cache_frees_everything(cached):
     sched = cached.scheduler
     base = _ids(60, 130)

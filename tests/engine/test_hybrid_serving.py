@@ -7,9 +7,10 @@ batch; a pool too small for the batch retracts requests (state saved to the host
 the outputs do not change; n > 1 choices fork the prompt's state; fewer state slots than requests
 make requests wait, not fail; an abort storm leaves every page and slot free; priority preemption with
 one state slot saves and reloads the preempted request's state; the in-process PD pair (the state
-rides the KV transfer as extra wire pages) equals colocated. Then what is refused. Last, one real stack
-(router, a TP 2 prefill, two TP 1 decodes, Nemotron-H): answers equal colocated, and a stream migrates
-off a killed decode with the same tokens. (PD across unequal TP in process: test_hybrid_pd_tp.py.)
+rides the KV transfer as extra wire pages) equals colocated; speculation rolls the state back to the last
+kept position; LoRA on the attention layers equals transformers + peft. Then what is refused. Last, one
+real stack (router, a TP 2 prefill, two TP 1 decodes speculating, Nemotron-H): answers equal colocated,
+and a stream migrates off a killed decode with the same tokens. (PD across unequal TP in process: test_hybrid_pd_tp.py.)
 """
 
 from __future__ import annotations
@@ -206,10 +207,35 @@ def test_speculation_rolls_the_state_back_to_the_last_kept_position(family, llm)
     assert spec.runner.server_info()["state_verify_slots"] == 24
 
 
+def test_lora_on_the_attention_layers_matches_peft(family, tmp_path):
+    """LoRA on a hybrid model: an adapter on the attention layers' q/k/v/o (Qwen3-Next's q_proj rows are
+    [q | gate] per head, sliced so), nothing on the recurrent layers. Greedy tokens equal transformers + peft
+    with the same adapter at every step (teacher-forced argmax), in one batch with base requests, which keep
+    the base model's tokens; the adapter changes the output; an adapter naming the MLP is refused by name."""
+    from engine.config import ModelConfig
+    from engine.extras.lora.adapter import write_random_adapter
+    from tests.engine.test_lora import make_adapter
+
+    _, hf, path = family
+    pm = make_adapter(hf, tmp_path / "a", 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False, seed=5)
+    llm = LLM(_cfg(path, lora_paths=(f"a={tmp_path / 'a'}",), max_lora_rank=8))
+    prompts = [_prompt(130 + i, n) for i, n in enumerate((7, 70))]
+    params = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    outs = [c.output_ids for c in llm.generate(prompts * 2, params, loras=["a", "a", "", ""])]
+    for ids, out in zip(prompts, outs[:2]):
+        assert _argmax_path(pm, ids, out) == out, "the adapter's greedy tokens differ from transformers + peft"
+    for ids, out in zip(prompts, outs[2:]):
+        assert _argmax_path(hf, ids, out) == out, "a base request beside the adapter's differs from the base model"
+    assert outs[:2] != outs[2:], "the adapter did not change the output"
+    assert llm.scheduler.kv.all_free()
+    write_random_adapter(tmp_path / "mlp", ModelConfig.from_dir(path), 4, ("q_proj", "down_proj"))
+    with pytest.raises(ValueError, match="MLP of a (hybrid recurrent|mixture-of-experts) model"):
+        LLM(_cfg(path, lora_paths=(f"m={tmp_path / 'mlp'}",), max_lora_rank=8))
+
+
 @pytest.mark.parametrize("field,value,words", [
     ("draft_model", "self", "draft model must be attention-only"),
-    ("max_loaded_loras", 2, "LoRA adapters"),
-    ("hicache_host_tokens", 1024, "--hicache-host-tokens"),
+    ("hicache_dir", "hicache", "--hicache-dir"),
 ])
 def test_what_is_refused_says_so(family, field, value, words):
     if field == "draft_model":  # the hybrid model as its own draft
@@ -217,7 +243,7 @@ def test_what_is_refused_says_so(family, field, value, words):
         with pytest.raises(ValueError, match=f"has recurrent layers: a {words}"):
             LLM(llm_cfg)
         return
-    kw = {"prefix_cache": True} if field == "hicache_host_tokens" else {}
+    kw = {"prefix_cache": True, "hicache_host_tokens": 1024} if field == "hicache_dir" else {}
     with pytest.raises(ValueError, match=f"has recurrent layers; {words}"):
         ModelRunner(_cfg(family[2], **{field: value}, **kw))
 

@@ -34,6 +34,10 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN + MLP
 MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
            "down": ("down_proj",)}
+# where a family's decoder modules sit in its HF model, when not at model.layers.<i>.{self_attn,mlp}
+# (PEFT's keys name that path: base_model.model.<path>.<module>.lora_A.weight); several: any of them
+# (Nemotron-H: transformers' own class names it model.layers.<i>.mixer, NVIDIA's remote code backbone....)
+PATHS = {"nemotron_h": ("model.layers.{layer}.mixer", "backbone.layers.{layer}.mixer")}
 # adapter_config.json fields that change the math and that this engine refuses when set
 _REFUSED = ("use_dora", "modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern", "bias")
 
@@ -94,10 +98,11 @@ def _shares(cfg: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, int, int]]:
     """Per HF linear: (first, count, unit) of this rank's output rows (column-parallel) or input
     columns (row-parallel), as checkpoint.attention_weights / dense_mlp_weights slice them."""
     d = cfg.head_dim
+    qd = 2 * d if getattr(cfg.hybrid, "q_gate", False) else d  # Qwen3-Next's q_proj: [q | gate] per head
     q0, nq = tp.split(cfg.num_heads, "num_attention_heads")
     k0, nk = tp.kv_heads(cfg.num_kv_heads)
     i0, ni = tp.split(cfg.intermediate_size, "intermediate_size")
-    return {"q_proj": (q0, nq, d), "k_proj": (k0, nk, d), "v_proj": (k0, nk, d), "o_proj": (q0, nq, d),
+    return {"q_proj": (q0, nq, qd), "k_proj": (k0, nk, d), "v_proj": (k0, nk, d), "o_proj": (q0, nq, d),
             "gate_proj": (i0, ni, 1), "up_proj": (i0, ni, 1), "down_proj": (i0, ni, 1)}
 
 
@@ -117,23 +122,37 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, t
         raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a mixture-of-experts model "
                          f"(model_type {cfg.model_type!r}, {cfg.moe.num_experts} experts): LoRA on the experts is not "
                          f"supported; an adapter for this model may target only {list(ATTN)}")
+    if cfg.hybrid is not None and mlp:
+        raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a hybrid recurrent model "
+                         f"(model_type {cfg.model_type!r}): LoRA there is not supported; an adapter for this model may "
+                         f"target only {list(ATTN)} (its attention layers)")
     tensors = _tensors(p)
     shares = _shares(cfg, tp)
     out = LoRAAdapter(name, str(path), r, targets)
     for layer in range(cfg.num_layers):
         mods: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if cfg.attention_layers and layer not in cfg.attention_layers:  # a hybrid model's recurrent layer
+            out.weights.append(mods)
+            continue
         for mod, parts in MODULES.items():
-            pair = _fused(tensors, layer, parts, targets, shares, scaling, name)
+            pair = _fused(tensors, _path(cfg, layer), parts, targets, shares, scaling, name)
             if pair is not None:
                 mods[mod] = (pair[0].to(device, dtype).contiguous(), pair[1].to(device, dtype).contiguous())
         out.weights.append(mods)
     return out
 
 
-def _fused(tensors: dict[str, torch.Tensor], layer: int, parts: tuple[str, ...], targets: tuple[str, ...],
+def _path(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """The HF module paths `layer`'s modules may sit at (`{sub}`: self_attn or mlp by module), first the usual."""
+    paths = PATHS.get(cfg.model_type)
+    return tuple(p.format(layer=layer) for p in paths) if paths else (f"model.layers.{layer}.{{sub}}",)
+
+
+def _fused(tensors: dict[str, torch.Tensor], paths: tuple[str, ...], parts: tuple[str, ...], targets: tuple[str, ...],
            shares: dict[str, tuple[int, int, int]], scaling: float, name: str
            ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One fused module's (A [R, in_local], B [out_local, R]) over `parts`, or None when none is targeted."""
+    """One fused module's (A [R, in_local], B [out_local, R]) over `parts` of the layer at one of the HF
+    `paths` (`_path`), or None when none is targeted."""
     if not any(t in targets for t in parts):
         return None
     a_list, b_blocks = [], []
@@ -142,8 +161,8 @@ def _fused(tensors: dict[str, torch.Tensor], layer: int, parts: tuple[str, ...],
         if part not in targets:
             b_blocks.append((count * unit, None))
             continue
-        sub = "self_attn" if part in ATTN else "mlp"
-        key = f"base_model.model.model.layers.{layer}.{sub}.{part}.lora_"
+        keys = [f"base_model.model.{p.format(sub='self_attn' if part in ATTN else 'mlp')}.{part}.lora_" for p in paths]
+        key = next((k for k in keys if k + "A.weight" in tensors), keys[0])
         if key + "A.weight" not in tensors:
             raise ValueError(f"adapter {name!r}: weight {key}A.weight is missing")
         a, b = tensors[key + "A.weight"].float(), tensors[key + "B.weight"].float() * scaling
@@ -170,14 +189,18 @@ def write_random_adapter(dst: Path, cfg: ModelConfig, rank: int, targets: tuple[
     """A random PEFT-format LoRA adapter for a model of `cfg` (benchmarks and tests; A and B ~ N(0, std))."""
     g = torch.Generator().manual_seed(seed)
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"q_proj": (cfg.num_heads * d, h), "k_proj": (cfg.num_kv_heads * d, h),
+    qd = 2 * d if getattr(cfg.hybrid, "q_gate", False) else d
+    shapes = {"q_proj": (cfg.num_heads * qd, h), "k_proj": (cfg.num_kv_heads * d, h),
               "v_proj": (cfg.num_kv_heads * d, h), "o_proj": (h, cfg.num_heads * d), "gate_proj": (inter, h),
               "up_proj": (inter, h), "down_proj": (h, inter)}
     t = {}
     for layer in range(cfg.num_layers):
+        if cfg.attention_layers and layer not in cfg.attention_layers:
+            continue
         for name in targets:
             out, inp = shapes[name]
-            key = f"base_model.model.model.layers.{layer}.{'self_attn' if name in ATTN else 'mlp'}.{name}.lora_"
+            sub = _path(cfg, layer)[0].format(sub="self_attn" if name in ATTN else "mlp")
+            key = f"base_model.model.{sub}.{name}.lora_"
             t[key + "A.weight"] = torch.randn(rank, inp, generator=g) * std
             t[key + "B.weight"] = torch.randn(out, rank, generator=g) * std
     dst.mkdir(parents=True, exist_ok=True)

@@ -46,12 +46,15 @@ def spec_for_server(cfg: Any) -> HiCacheSpec | None:  # noqa: ANN401 (a service.
     return HiCacheSpec.from_config(cfg.engine, f"{cfg.role}-{cfg.port or os.getpid()}")
 
 
-def build_cache(spec: HiCacheSpec, pool: KVPool, tier: Callable[[KVPool, int], HostTier] = HostTier) -> HiRadixCache:
+def build_cache(spec: HiCacheSpec, pool: KVPool, tier: Callable[[KVPool, int], HostTier] = HostTier,
+                free_states: Callable[[list[int]], None] | None = None) -> HiRadixCache:
     """The tiered prefix cache over `pool`: a host tier of spec.host_tokens (made by `tier`: under TP, rank 0's
-    runner passes one whose copies run on every rank), a disk tier if a dir is set."""
+    runner passes one whose copies run on every rank), a disk tier if a dir is set. `free_states`: a hybrid
+    model's (its nodes hold state snapshots)."""
     host = tier(pool, spec.host_tokens)
     disk = None
     if spec.disk_dir:
         layout = f"{tuple(pool.buffer.shape[1:])}/{pool.buffer.dtype}"
         disk = DiskTier(spec.disk_dir, spec.disk_bytes, layout)
-    return HiRadixCache(pool.page_size, pool.allocator, host, disk, write_through=spec.write_policy == "write_through")
+    return HiRadixCache(pool.page_size, pool.allocator, host, disk, write_through=spec.write_policy == "write_through",
+                        free_states=free_states)

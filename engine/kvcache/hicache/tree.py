@@ -18,6 +18,11 @@ host stretch, then pages found on disk by their chained hash (they have no node)
   only when the whole prompt's pages fit the free pages (a request that cannot be admitted loads
   nothing, so a waiting request does not churn copies every step).
 - `flush` empties every tier.
+- Hybrid models (state snapshots on nodes, engine/kvcache/radix_cache.py): a snapshot lives in a device
+  state slot whatever tier its node's page is on (a device eviction keeps it; a node dropped from the
+  host drops it), and `fetch(..., need_state=True)` loads host pages only up to the deepest snapshot of
+  the path (beyond it they could not be used: no state there). No disk tier for them (refused at start-up:
+  a disk page has no node, so no snapshot).
 
 Events (engine/kvcache/events): device pages are reported on medium "GPU", host copies on "CPU" (a
 device eviction that keeps a host copy: removed from GPU, stored on CPU; a load: stored on GPU); the
@@ -45,8 +50,8 @@ class HiRadixCache(RadixCache):
     """A RadixCache whose evicted pages go to `host` (and on to `disk`, when given)."""
 
     def __init__(self, page_size: int, allocator: PageAllocator, host: HostTier, disk: DiskTier | None = None,
-                 write_through: bool = False) -> None:
-        super().__init__(page_size, allocator.free)
+                 write_through: bool = False, free_states: Callable[[list[int]], None] | None = None) -> None:
+        super().__init__(page_size, allocator.free, free_states)
         self.allocator, self.host, self.disk, self.write_through = allocator, host, disk, write_through
         self._pinned: set[int] = set()  # ids of host nodes being loaded: not host-evictable
         self.hits = dict.fromkeys(TIERS, 0)  # tokens served from each tier (host, disk: at load)
@@ -56,13 +61,17 @@ class HiRadixCache(RadixCache):
 
     # ---- lookup with loads --------------------------------------------------------------------
     def fetch(self, ids: list[int], max_tokens: int, namespace: str, alloc: Callable[[int], list[int]],
-              total_pages: int) -> Match:
+              total_pages: int, need_state: bool = False) -> Match:
         """`match`, then load the continuation held on the host or disk into fresh device pages
         (`alloc(n)`, which may evict) when `total_pages` (the prompt's pages) fit the free pages
-        with the device hit counted. The result's pages are all on the device (none locked)."""
-        hit = self.match(ids, max_tokens, namespace)
+        with the device hit counted. The result's pages are all on the device (none locked).
+        `need_state` (hybrid models): the match ends at the deepest state snapshot of the path, and only
+        host pages up to it are loaded."""
+        full = self.match(ids, max_tokens, namespace)  # the device stretch
         keys = self._keys(ids, max_tokens, namespace)
-        i, node = len(hit.pages), hit.node
+        i, node = len(full.pages), full.node
+        # what a fetch that loads nothing gives (hybrid: the device stretch cut back to its deepest snapshot)
+        hit = self.match(ids, max_tokens, namespace, need_state=True) if need_state else full
         if i == len(keys):
             return hit
         hosted, n = [], node
@@ -71,7 +80,11 @@ class HiRadixCache(RadixCache):
             if n is None:
                 break
             hosted.append(n)
-        disk_keys = self._disk_run(node, hosted, keys[i + len(hosted):])
+        if need_state:  # up to the deepest snapshot among the host pages (none: the device match)
+            hosted = hosted[: max((k + 1 for k, h in enumerate(hosted) if h.state >= 0), default=0)]
+            disk_keys: list[bytes] = []
+        else:
+            disk_keys = self._disk_run(node, hosted, keys[i + len(hosted):])
         want = len(hosted) + len(disk_keys)
         if not want:
             return hit
@@ -89,7 +102,7 @@ class HiRadixCache(RadixCache):
         finally:
             self._pinned = set()
             self.unlock(node)
-        return Match(hit.pages + pages[: len(hosted) + used], last)
+        return Match(full.pages + pages[: len(hosted) + used], last)
 
     def _disk_run(self, node: Node, hosted: list[Node], keys: list[tuple]) -> list[bytes]:
         """Chained hashes of the pages after the tree's deepest match that the disk tier holds."""
@@ -269,7 +282,7 @@ class HiRadixCache(RadixCache):
         removed node's parent becomes None (it is gone)."""
         assert node.parent is not None
         del node.parent.children[node.key]
-        dev, host, stack, on_dev, on_host = [], [], [node], [], []
+        dev, host, stack, on_dev, on_host, gone = [], [], [node], [], [], []
         while stack:
             x = stack.pop()
             stack.extend(x.children.values())
@@ -281,6 +294,10 @@ class HiRadixCache(RadixCache):
             if x.host >= 0:
                 host.append(x.host)
                 on_host.append(x)
+            if x.state >= 0:  # a hybrid model's snapshot goes with its node
+                gone.append(x)
+        if gone:
+            self._drop_states(gone)
         self._removed(on_dev)
         self._removed(on_host, CPU)
         self.cached_pages -= len(dev)
@@ -303,6 +320,8 @@ class HiRadixCache(RadixCache):
         """Empty every tier of what no request holds: unlocked subtrees are dropped whole, host copies
         of locked nodes freed, the disk emptied. Returns device pages freed."""
         before = self.cached_pages
+        if self.snapshots:  # every snapshot, locked nodes' too (a snapshot is never in use)
+            self._drop_states(self._nodes())
         stack = [self.root]
         while stack:
             x = stack.pop()
