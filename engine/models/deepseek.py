@@ -129,19 +129,33 @@ def _rope_order(rope: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
 
 
+def rope_row_order(cfg: ModelConfig, part: str, heads: int) -> torch.Tensor | None:
+    """The order the loader gives the output rows of MLA linear `part` (q_proj / q_b_proj: `heads` heads of
+    this rank, already sliced; kv_a_proj_with_mqa: whole): the rope rows de-interleaved. None: the checkpoint's
+    order (no interleaved rope, or another linear). LoRA's B rows take the same order (engine/extras/lora)."""
+    m = cfg.mla
+    if m is None or not m.rope_interleave:
+        return None
+    rope, qk = m.qk_rope_head_dim, m.qk_nope_head_dim + m.qk_rope_head_dim
+    if part in ("q_proj", "q_b_proj"):
+        head = torch.cat([torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + _rope_order(rope)])
+        return (torch.arange(heads)[:, None] * qk + head).reshape(-1)
+    if part == "kv_a_proj_with_mqa":
+        return torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + _rope_order(rope)])
+    return None
+
+
 def _attention(ck: Checkpoint, cfg: ModelConfig, i: int, tp: TPGroup) -> dict[str, torch.Tensor]:
     """Layer i's MLA weights and norms, this rank's heads of q / kv_b / o."""
     m, a, p = cfg.mla, f"model.layers.{i}.self_attn.", f"layers.{i}."
     assert m is not None
     q0, nq = tp.split(cfg.num_heads, "num_attention_heads")
-    qk, rope = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_rope_head_dim
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
 
     def q_rows(w: Weight) -> Weight:  # [heads * qk, in] -> this rank's heads, rope de-interleaved
         w = rows(w, q0, nq, qk)
-        if not m.rope_interleave:
-            return w
-        head = torch.cat([torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + _rope_order(rope)])
-        return permute_rows(w, (torch.arange(nq)[:, None] * qk + head).reshape(-1))
+        order = rope_row_order(cfg, "q_proj", nq)
+        return w if order is None else permute_rows(w, order)
 
     out = {p + "input_layernorm.weight": ck.take(f"model.layers.{i}.input_layernorm.weight"),
            p + "post_attention_layernorm.weight": ck.take(f"model.layers.{i}.post_attention_layernorm.weight")}
@@ -153,9 +167,8 @@ def _attention(ck: Checkpoint, cfg: ModelConfig, i: int, tp: TPGroup) -> dict[st
     else:
         out[s + "q_proj.weight"] = q_rows(ck.take(a + "q_proj.weight"))
     kv_a = ck.take(a + "kv_a_proj_with_mqa.weight")  # [R + R_, H]
-    if m.rope_interleave:
-        kv_a = permute_rows(kv_a, torch.cat([torch.arange(m.kv_lora_rank), m.kv_lora_rank + _rope_order(rope)]))
-    out[s + "kv_a_proj_with_mqa.weight"] = kv_a
+    order = rope_row_order(cfg, "kv_a_proj_with_mqa", nq)
+    out[s + "kv_a_proj_with_mqa.weight"] = kv_a if order is None else permute_rows(kv_a, order)
     out[s + "kv_a_layernorm.weight"] = ck.take(a + "kv_a_layernorm.weight")
     out[s + "kv_b"] = rows(ck.take(a + "kv_b_proj.weight"), q0, nq, m.qk_nope_head_dim + m.v_head_dim)
     out[s + "o_proj.weight"] = cols(ck.take(a + "o_proj.weight"), q0, nq, m.v_head_dim)

@@ -25,6 +25,8 @@ so every rank computes and caches the same full latent (no head slicing of the p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +66,17 @@ def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, 
     return out
 
 
+class _LoRA:
+    """`(linear, module, x)` -> linear(x), plus the batch's adapter updates of `module` in `layer` when it has any."""
+
+    def __init__(self, batch: Any, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    def __call__(self, m: nn.Linear, module: str, x: torch.Tensor) -> torch.Tensor:
+        y = linear(m, x)
+        return y if self.batch is None else self.batch.apply(self.layer, module, x, y)
+
+
 class MLAAttention(nn.Module):
     """One layer's MLA over the latent pool: forward(x, rotary, ctx, residual) -> residual + attention(x)
     (summed over the TP group). Parameters (this rank's Hq heads): q_proj, or q_a_proj + q_a_layernorm +
@@ -98,13 +111,15 @@ class MLAAttention(nn.Module):
                 residual: torch.Tensor) -> torch.Tensor:
         """x, residual [T, H] -> residual + attention(x) [T, H]; the new tokens' latents go to the pool first."""
         m, t = self.m, x.shape[0]
+        lora = _LoRA(ctx.lora, self.layer_id)  # adapters' updates of each projection (engine/extras/lora)
         if m.q_lora_rank:
-            q = linear(self.q_b_proj, self.q_a_layernorm(linear(self.q_a_proj, x)))
+            qa = lora(self.q_a_proj, "q_a", x)
+            q = lora(self.q_b_proj, "q_b", self.q_a_layernorm(qa))
         else:
-            q = linear(self.q_proj, x)
+            q = lora(self.q_proj, "q", x)
         q_nope, q_pe = q.view(t, self.hq, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         q_pe = rotary(q_pe)  # [T, Hq, R_]
-        kv = linear(self.kv_a_proj_with_mqa, x)  # [T, R + R_]
+        kv = lora(self.kv_a_proj_with_mqa, "kv_a", x)  # [T, R + R_]
         latent = torch.cat([self.kv_a_layernorm(kv[:, : m.kv_lora_rank]),
                             rotary(kv[:, None, m.kv_lora_rank:])[:, 0]], dim=-1)  # [T, R + R_]
         ctx.pool.write_latent(self.layer_id, ctx.out_page, ctx.out_offset, latent)
@@ -112,6 +127,9 @@ class MLAAttention(nn.Module):
             o = self.decode(q_nope, q_pe, ctx) if self.absorb else self.decode_expanded(q_nope, q_pe, ctx)
         else:
             o = self.extend(q_nope, q_pe, ctx)
+        if ctx.lora is not None:
+            return ctx.lora.row_parallel(self.o_proj, o.reshape(t, self.hq * m.v_head_dim), residual, self.tp,
+                                         self.layer_id, "o")
         return row_parallel(self.o_proj, o.reshape(t, self.hq * m.v_head_dim), residual, self.tp)
 
     def _kv_b(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ decode-side prefix reuse; fields refused by name; MTP layers skipped.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,35 @@ def test_v3_variant_plain_q_no_interleave_yarn_ungrouped(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     assert (llm.prompt_logits(ids, chunk=64) - ref).abs().max().item() < 1e-3
+
+
+def test_lora_on_the_mla_projections_matches_peft(family, tmp_path):
+    """LoRA on MLA: an adapter on q_a/q_b (V3) or q_proj (V2), kv_a_proj_with_mqa and o_proj equals
+    transformers + peft (teacher-forced logits within 1e-3, greedy tokens), a base request in the same batch
+    keeps the base model's tokens; kv_b_proj (absorbed into the attention) and k_proj are refused by name."""
+    from engine.extras.lora.adapter import write_random_adapter
+    from tests.engine.test_lora import make_adapter
+
+    kind, hf, _, cfg = family
+    q = ["q_a_proj", "q_b_proj"] if kind == "deepseek_v3" else ["q_proj"]
+    pm = make_adapter(hf, tmp_path / "a", 8, 16, [*q, "kv_a_proj_with_mqa", "o_proj"], False, seed=7)
+    llm = LLM(replace(cfg, lora_paths=(f"a={tmp_path / 'a'}",), max_lora_rank=8))
+    ids = _prompt(5, 40)
+    with torch.no_grad():
+        ref, base = (m(torch.tensor([ids])).logits[0].float() for m in (pm, hf))
+    assert (ref - base).abs().max() > 0.1, "the adapter must move the logits"
+    outs = llm.generate([ids, ids], GREEDY, loras=["a", ""])
+    for model, out in zip((pm, hf), outs):
+        seq = ids + out.output_ids
+        with torch.no_grad():
+            argmax = model(torch.tensor([seq[:-1]])).logits[0].argmax(-1).tolist()
+        assert argmax[len(ids) - 1:] == out.output_ids, "greedy tokens differ from transformers (+ peft)"
+    assert outs[0].output_ids != outs[1].output_ids
+    assert llm.scheduler.kv.all_free()
+    mc = ModelConfig.from_dir(cfg.model)
+    for bad in ("kv_b_proj", "k_proj"):
+        path = write_random_adapter(tmp_path / bad, mc, 4, ("o_proj",))
+        raw = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps(raw | {"target_modules": ["o_proj", bad]}))
+        with pytest.raises(ValueError, match=bad):
+            LLM(replace(cfg, lora_paths=(f"b={path}",), max_lora_rank=8))

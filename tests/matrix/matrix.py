@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.extras.lora.adapter import write_random_adapter
+from engine.extras.lora.adapter import ATTN, MLA_ATTN, write_random_adapter
 from engine.extras.speculative.config import SpecConfig
 from engine.sampling.grammar import load_hf_tokenizer
 from engine.sampling.params import SamplingParams
@@ -116,7 +116,7 @@ def build_models(root: Path, kinds: tuple[str, ...] = KINDS) -> list[Model]:
         path = dense if kind == "dense" else str(write_model(kind, root / kind))
         mc = ModelConfig.from_dir(path)
         adapter = str(write_random_adapter(root / f"{kind}-lora", mc, rank=4,  # attention only: MoE takes it
-                                           targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=5, std=0.3))
+                                           targets=ATTN + MLA_ATTN, seed=5, std=0.3))  # the model's own (MLA: q_a..)
         out.append(Model(kind, path, dense, adapter))
     return out
 

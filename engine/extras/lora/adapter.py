@@ -28,12 +28,20 @@ from safetensors.torch import load_file, save_file
 from engine.config import ModelConfig
 from engine.distributed.tp import SINGLE, TPGroup
 from engine.models.checkpoint import cols, rows
+from engine.models.deepseek import rope_row_order  # the MLA family's row order, written once there
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLA_ATTN = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # MLA's projections (beside q_proj / o_proj)
 MLP = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTN + MLP
+TARGETS = ATTN + MLA_ATTN + MLP
+# fused module -> the HF linears it holds; every family's (an adapter's weights name the ones its model has)
 MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-           "down": ("down_proj",)}
+           "down": ("down_proj",), "q": ("q_proj",), "q_a": ("q_a_proj",), "q_b": ("q_b_proj",),
+           "kv_a": ("kv_a_proj_with_mqa",)}
+# MLA: kv_b_proj is absorbed into the attention (W_UK into the query, W_UV into the output, per head), so an
+# update of it would need each adapter's own absorbed matrices: refused by name
+MLA_MODULES = ("q", "q_a", "q_b", "kv_a", "o", "gate_up", "down")
+DENSE_MODULES = ("qkv", "o", "gate_up", "down")
 # where a family's decoder modules sit in its HF model, when not at model.layers.<i>.{self_attn,mlp}
 # (PEFT's keys name that path: base_model.model.<path>.<module>.lora_A.weight); several: any of them
 # (Nemotron-H: transformers' own class names it model.layers.<i>.mixer, NVIDIA's remote code backbone....)
@@ -71,13 +79,18 @@ def read_config(path: Path) -> dict:
     return raw
 
 
-def target_list(raw: dict) -> tuple[str, ...]:
-    """The base linears the adapter targets (a list, or PEFT's "all-linear")."""
+def target_list(raw: dict, cfg: ModelConfig | None = None) -> tuple[str, ...]:
+    """The base linears the adapter targets (a list, or PEFT's "all-linear": every one a model of `cfg`
+    has, when given)."""
     tm = raw.get("target_modules")
     if tm == "all-linear":
-        return TARGETS
+        return TARGETS if cfg is None else tuple(t for m in _modules(cfg) for t in MODULES[m] if _has(cfg, t))
     if isinstance(tm, str) or not tm:
         raise ValueError(f"adapter_config.json field 'target_modules' ({tm!r}) must list module names")
+    if "kv_b_proj" in tm:
+        raise ValueError("adapter_config.json field 'target_modules' names 'kv_b_proj': MLA absorbs it into the "
+                         "attention (per head, into the query and the output), so LoRA on it is not supported; "
+                         f"target {list(('q_proj',) + MLA_ATTN + ('o_proj',))} instead")
     bad = sorted(set(tm) - set(TARGETS))
     if bad:
         raise ValueError(f"adapter_config.json field 'target_modules' names {bad}: only {list(TARGETS)} are supported")
@@ -94,9 +107,35 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"lora_path {str(path)!r} has no adapter_model.safetensors")
 
 
+def _modules(cfg: ModelConfig) -> tuple[str, ...]:
+    return MLA_MODULES if cfg.mla is not None else DENSE_MODULES
+
+
+def _has(cfg: ModelConfig, part: str) -> bool:
+    """Whether a model of `cfg` has HF linear `part` (MLA: q_proj or q_a/q_b by q_lora_rank; no k/v)."""
+    m = cfg.mla
+    if m is None:
+        return part not in MLA_ATTN
+    if part in ("k_proj", "v_proj"):
+        return False
+    if part == "q_proj":
+        return not m.q_lora_rank
+    if part in ("q_a_proj", "q_b_proj"):
+        return bool(m.q_lora_rank)
+    return True  # o_proj, kv_a_proj_with_mqa, the MLP
+
+
 def _shares(cfg: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, int, int]]:
     """Per HF linear: (first, count, unit) of this rank's output rows (column-parallel) or input
     columns (row-parallel), as checkpoint.attention_weights / dense_mlp_weights slice them."""
+    if cfg.mla is not None:  # q / q_b and o by head; q_a and kv_a replicated on every rank (all rows)
+        m = cfg.mla
+        q0, nq = tp.split(cfg.num_heads, "num_attention_heads")
+        i0, ni = tp.split(cfg.intermediate_size, "intermediate_size")
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        return {"q_proj": (q0, nq, qk), "q_b_proj": (q0, nq, qk), "q_a_proj": (0, m.q_lora_rank, 1),
+                "kv_a_proj_with_mqa": (0, m.latent_dim, 1), "o_proj": (q0, nq, m.v_head_dim),
+                "gate_proj": (i0, ni, 1), "up_proj": (i0, ni, 1), "down_proj": (i0, ni, 1)}
     d = cfg.head_dim
     qd = 2 * d if getattr(cfg.hybrid, "q_gate", False) else d  # Qwen3-Next's q_proj: [q | gate] per head
     q0, nq = tp.split(cfg.num_heads, "num_attention_heads")
@@ -116,7 +155,11 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, t
     if not 0 < r <= max_rank:
         raise ValueError(f"adapter {name!r}: rank r={r} exceeds --max-lora-rank {max_rank}")
     scaling = alpha / math.sqrt(r) if raw.get("use_rslora") else alpha / r
-    targets = target_list(raw)
+    targets = target_list(raw, cfg)
+    missing = [t for t in targets if not _has(cfg, t)]
+    if missing:
+        raise ValueError(f"adapter {name!r}: target_modules {missing} are not linears of this model (model_type "
+                         f"{cfg.model_type!r})")
     mlp = [t for t in targets if t in MLP]
     if cfg.moe is not None and mlp:
         raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a mixture-of-experts model "
@@ -128,14 +171,18 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, t
                          f"target only {list(ATTN)} (its attention layers)")
     tensors = _tensors(p)
     shares = _shares(cfg, tp)
+    orders = {}  # MLA: B's rows in the order the loader gave the base weight's (rope rows de-interleaved)
+    if cfg.mla is not None:
+        orders = {part: rope_row_order(cfg, part, shares[part][1]) for part in ("q_proj", "q_b_proj",
+                                                                                "kv_a_proj_with_mqa")}
     out = LoRAAdapter(name, str(path), r, targets)
     for layer in range(cfg.num_layers):
         mods: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if cfg.attention_layers and layer not in cfg.attention_layers:  # a hybrid model's recurrent layer
             out.weights.append(mods)
             continue
-        for mod, parts in MODULES.items():
-            pair = _fused(tensors, _path(cfg, layer), parts, targets, shares, scaling, name)
+        for mod in _modules(cfg):
+            pair = _fused(tensors, _path(cfg, layer), MODULES[mod], targets, shares, scaling, name, orders)
             if pair is not None:
                 mods[mod] = (pair[0].to(device, dtype).contiguous(), pair[1].to(device, dtype).contiguous())
         out.weights.append(mods)
@@ -149,8 +196,8 @@ def _path(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
 
 
 def _fused(tensors: dict[str, torch.Tensor], paths: tuple[str, ...], parts: tuple[str, ...], targets: tuple[str, ...],
-           shares: dict[str, tuple[int, int, int]], scaling: float, name: str
-           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+           shares: dict[str, tuple[int, int, int]], scaling: float, name: str,
+           orders: dict[str, torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One fused module's (A [R, in_local], B [out_local, R]) over `parts` of the layer at one of the HF
     `paths` (`_path`), or None when none is targeted."""
     if not any(t in targets for t in parts):
@@ -161,15 +208,19 @@ def _fused(tensors: dict[str, torch.Tensor], paths: tuple[str, ...], parts: tupl
         if part not in targets:
             b_blocks.append((count * unit, None))
             continue
-        keys = [f"base_model.model.{p.format(sub='self_attn' if part in ATTN else 'mlp')}.{part}.lora_" for p in paths]
+        sub = "mlp" if part in MLP else "self_attn"
+        keys = [f"base_model.model.{p.format(sub=sub)}.{part}.lora_" for p in paths]
         key = next((k for k in keys if k + "A.weight" in tensors), keys[0])
         if key + "A.weight" not in tensors:
             raise ValueError(f"adapter {name!r}: weight {key}A.weight is missing")
         a, b = tensors[key + "A.weight"].float(), tensors[key + "B.weight"].float() * scaling
         if part in ("o_proj", "down_proj"):  # row-parallel: this rank's input columns of A
             a = cols(a, first, count, unit)
-        else:  # column-parallel: this rank's output rows of B
+        else:  # column-parallel: this rank's output rows of B (in the base weight's row order)
             b = rows(b, first, count, unit)
+            order = (orders or {}).get(part)
+            if order is not None:
+                b = b[order]
         a_list.append(a)
         b_blocks.append((b.shape[0], b))
     a_cat = torch.cat(a_list)  # [R, in]
@@ -193,13 +244,19 @@ def write_random_adapter(dst: Path, cfg: ModelConfig, rank: int, targets: tuple[
     shapes = {"q_proj": (cfg.num_heads * qd, h), "k_proj": (cfg.num_kv_heads * d, h),
               "v_proj": (cfg.num_kv_heads * d, h), "o_proj": (h, cfg.num_heads * d), "gate_proj": (inter, h),
               "up_proj": (inter, h), "down_proj": (h, inter)}
+    if cfg.mla is not None:
+        m, hq = cfg.mla, cfg.num_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        shapes |= {"q_proj": (hq * qk, h), "q_a_proj": (m.q_lora_rank, h), "q_b_proj": (hq * qk, m.q_lora_rank),
+                   "kv_a_proj_with_mqa": (m.latent_dim, h), "o_proj": (h, hq * m.v_head_dim)}
+    targets = tuple(t for t in targets if _has(cfg, t))
     t = {}
     for layer in range(cfg.num_layers):
         if cfg.attention_layers and layer not in cfg.attention_layers:
             continue
         for name in targets:
             out, inp = shapes[name]
-            sub = _path(cfg, layer)[0].format(sub="self_attn" if name in ATTN else "mlp")
+            sub = _path(cfg, layer)[0].format(sub="mlp" if name in MLP else "self_attn")
             key = f"base_model.model.{sub}.{name}.lora_"
             t[key + "A.weight"] = torch.randn(rank, inp, generator=g) * std
             t[key + "B.weight"] = torch.randn(out, rank, generator=g) * std

@@ -185,8 +185,6 @@ def registry_for(cfg: EngineConfig, mc: ModelConfig, tp: TPGroup, dtype: torch.d
     paths = parse_lora_paths(cfg.lora_paths)
     if not cfg.max_loaded_loras and not paths:
         return None
-    if getattr(mc, "mla", None) is not None:
-        raise ValueError("--lora-paths / --max-loaded-loras: LoRA is not supported for MLA models")
     slots = max(cfg.max_loaded_loras, len(paths))
     reg = LoRARegistry(mc, slots, cfg.max_lora_rank, tp, dtype, device,
                        slot_stacks=triton_kernels(cfg.resolved_attention_backend, device))
