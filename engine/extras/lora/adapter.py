@@ -125,6 +125,11 @@ def _has(cfg: ModelConfig, part: str) -> bool:
     return True  # o_proj, kv_a_proj_with_mqa, the MLP
 
 
+def _attention(cfg: ModelConfig) -> list[str]:
+    """The attention linears a model of `cfg` has (what an adapter for an MoE or hybrid model may target)."""
+    return [t for t in ATTN + MLA_ATTN if _has(cfg, t)]
+
+
 def _shares(cfg: ModelConfig, tp: TPGroup) -> dict[str, tuple[int, int, int]]:
     """Per HF linear: (first, count, unit) of this rank's output rows (column-parallel) or input
     columns (row-parallel), as checkpoint.attention_weights / dense_mlp_weights slice them."""
@@ -164,11 +169,11 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int, t
     if cfg.moe is not None and mlp:
         raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a mixture-of-experts model "
                          f"(model_type {cfg.model_type!r}, {cfg.moe.num_experts} experts): LoRA on the experts is not "
-                         f"supported; an adapter for this model may target only {list(ATTN)}")
+                         f"supported; an adapter for this model may target only {_attention(cfg)}")
     if cfg.hybrid is not None and mlp:
         raise ValueError(f"adapter {name!r}: target_modules {mlp} are the MLP of a hybrid recurrent model "
                          f"(model_type {cfg.model_type!r}): LoRA there is not supported; an adapter for this model may "
-                         f"target only {list(ATTN)} (its attention layers)")
+                         f"target only {_attention(cfg)} (its attention layers)")
     tensors = _tensors(p)
     shares = _shares(cfg, tp)
     orders = {}  # MLA: B's rows in the order the loader gave the base weight's (rope rows de-interleaved)
