@@ -15,6 +15,7 @@ of whatever is still running after the grace period.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,11 +29,47 @@ import httpx
 T = TypeVar("T")
 
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed: set[int] = set()  # ports this process's free_port gave out
+
+
+def _outside_ephemeral() -> range:
+    """Ports the kernel never hands out by itself (below, else above, its ephemeral range), at least 4096 of
+    them; an empty range where there are not that many."""
+    try:
+        lo, hi = (int(x) for x in EPHEMERAL.read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999  # Linux's default
+    if lo - 10000 >= 4096:
+        return range(10000, lo)
+    if 65535 - hi >= 4096:
+        return range(hi + 1, 65536)
+    return range(0)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port nothing listens on right now, never the same one twice in this process. Drawn outside the
+    kernel's ephemeral range: a port the OS picked (bind to port 0) is in that range, and until its user binds
+    it any outgoing connection or port-0 bind on the machine may take it as its own (seen: a service failing
+    to start with "address already in use" while other services connected around it)."""
+    span = _outside_ephemeral()
+    rng = random.SystemRandom()
+    for _ in range(256 if span else 0):
+        port = rng.choice(span)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): another
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # no room outside the ephemeral range: let the OS pick
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed.add(port)
+    return port
 
 
 def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
