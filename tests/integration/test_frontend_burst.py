@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,7 +122,13 @@ def measure(root: Path) -> dict:
 
 
 def test_streams_and_health_stay_live_during_a_burst_of_huge_prompts() -> None:
-    m = measure(ROOT)
+    # measured by a fresh process: the gaps are timed by the client's own event loop, and a collection of this
+    # pytest process's heap (gigabytes, late in the suite) paused it for 0.3 s once, on stream and /health alike
+    run = subprocess.run([sys.executable, __file__, "--root", str(ROOT)], capture_output=True, text=True,
+                         timeout=540, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    m = json.loads(run.stdout.strip().splitlines()[-1])
+    m["statuses"] = set(m["statuses"])
     assert m["statuses"] == {400}, m
     # the inline path froze the loop for at least one request's tokenization: `alone` on a quiet loop, and
     # during the burst (tokenizations contend for the cores and the GIL) about wall / BURST each; both are
@@ -132,4 +140,5 @@ def test_streams_and_health_stay_live_during_a_burst_of_huge_prompts() -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", type=Path, default=ROOT)
-    print(measure(p.parse_args().root.resolve()))
+    figures = measure(p.parse_args().root.resolve())
+    print(json.dumps({**figures, "statuses": sorted(figures["statuses"])}))
